@@ -1,1 +1,27 @@
-"""pksampler.samplers"""
+"""Distributed samplers for metric learning.
+
+Pure plans (numpy in, numpy out) live in ``*_plan`` modules; the torch
+``Sampler`` classes hold configuration, epoch and resume state.
+"""
+
+from __future__ import annotations
+
+from ._labels import ClassIndex, group_labels
+from ._world import world_info
+from .balanced import DistributedBalancedBatchSampler, DistributedBalancedSampler
+from .balanced_plan import balanced_plan, epoch_layout, rank_batches
+from .consistency import SamplerMismatchError, check_consistent, sampler_fingerprint
+
+__all__ = [
+    "ClassIndex",
+    "DistributedBalancedBatchSampler",
+    "DistributedBalancedSampler",
+    "SamplerMismatchError",
+    "balanced_plan",
+    "check_consistent",
+    "epoch_layout",
+    "group_labels",
+    "rank_batches",
+    "sampler_fingerprint",
+    "world_info",
+]

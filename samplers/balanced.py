@@ -1,0 +1,194 @@
+"""DistributedBalancedSampler: per-rank P x K batches from one global plan."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator
+
+import numpy as np
+from torch.utils.data import Sampler
+
+from ._base import StepPlanSampler
+from ._labels import ClassIndex, group_labels
+from ._validate import check_choice, check_int, check_real
+from ._world import resolve_world
+from .balanced_plan import SMALL_CLASS_POLICIES, EpochLayout, count_steps, epoch_layout, rank_batches
+
+__all__ = ["DistributedBalancedBatchSampler", "DistributedBalancedSampler"]
+
+
+class _BalancedPlan(StepPlanSampler):
+    """Configuration and epoch cache shared by the flat and the batch form."""
+
+    _owner = "DistributedBalancedSampler"
+
+    def __init__(
+        self,
+        labels: Any,
+        classes_per_batch: int,
+        samples_per_class: int,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        seed: int = 0,
+        small_classes: str = "repeat",
+        class_weighting: float = 1.0,
+    ) -> None:
+        owner = self._owner
+        self.classes_per_batch = check_int("classes_per_batch", classes_per_batch, minimum=1, owner=owner)
+        self.samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1, owner=owner)
+        self.small_classes = check_choice("small_classes", small_classes, SMALL_CLASS_POLICIES, owner=owner)
+        self.class_weighting = check_real("class_weighting", class_weighting, low=0.0, high=4.0, owner=owner)
+        num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
+        super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
+        self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
+        self._layout_cache: tuple[tuple[int, int], EpochLayout] | None = None
+        self.num_batches  # validates "enough classes" now rather than at the first epoch
+
+    @property
+    def classes_per_step(self) -> int:
+        """G = num_replicas * classes_per_batch: classes in one global step."""
+        return self.num_replicas * self.classes_per_batch
+
+    @property
+    def batch_size(self) -> int:
+        """P * K indices per rank batch."""
+        return self.classes_per_batch * self.samples_per_class
+
+    def _plan_identity(self) -> dict[str, Any]:
+        return {
+            "labels_fingerprint": self.index.fingerprint,
+            "classes_per_step": self.classes_per_step,
+            "samples_per_class": self.samples_per_class,
+            "small_classes": self.small_classes,
+            "class_weighting": self.class_weighting,
+        }
+
+    def _check_identity(self, state: dict[str, Any], owner: str) -> None:
+        saved = state["classes_per_step"]
+        if isinstance(saved, int) and saved != self.classes_per_step:
+            if saved % self.num_replicas:
+                raise ValueError(
+                    f"{owner}: the saved run used {saved} classes per global step, which num_replicas="
+                    f"{self.num_replicas} does not divide; resume on a world size that divides {saved}"
+                )
+            raise ValueError(
+                f"{owner}: the saved run used {saved} classes per global step; with num_replicas="
+                f"{self.num_replicas} construct the sampler with classes_per_batch={saved // self.num_replicas} "
+                f"(got {self.classes_per_batch})"
+            )
+        super()._check_identity(state, owner)
+
+    def _plan_kwargs(self, epoch: int) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "epoch": epoch,
+            "small_classes": self.small_classes,
+            "class_weighting": self.class_weighting,
+        }
+
+    def _count_steps(self, epoch: int) -> int:
+        return count_steps(self.index, self.classes_per_step, self.samples_per_class, **self._plan_kwargs(epoch))
+
+    def layout(self, epoch: int | None = None) -> EpochLayout:
+        """The global layout of an epoch (cached for the last epoch asked)."""
+        epoch = self.epoch if epoch is None else epoch
+        key = (epoch, self.seed)
+        if self._layout_cache is None or self._layout_cache[0] != key:
+            layout = epoch_layout(
+                self.index, self.classes_per_step, self.samples_per_class, **self._plan_kwargs(epoch)
+            )
+            self._layout_cache = (key, layout)
+        return self._layout_cache[1]
+
+    def _rank_steps(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        batches = rank_batches(
+            self.layout(epoch),
+            self.index,
+            self.classes_per_batch,
+            self.samples_per_class,
+            self.rank,
+            start_step=start,
+            stop_step=stop,
+        )
+        return batches.reshape(batches.shape[0], self.batch_size)
+
+    def rank_plan(self) -> np.ndarray:
+        """This rank's remaining batches of the current epoch as one ``(steps, P*K)`` array."""
+        return self._rank_steps(self.epoch, self._resume_step, self.num_batches)
+
+
+class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
+    """Class-balanced sampler for distributed metric learning: P classes x K samples per rank batch.
+
+    Every global step holds ``G = num_replicas * classes_per_batch`` distinct
+    classes; rank r takes P of them, K samples each, so every rank batch is
+    P x K and no class is split across ranks within a step. The global plan
+    does not depend on the world size: W=1 with P=G and W ranks with P=G/W
+    produce the same global batches. See :mod:`pksampler.samplers.balanced_plan`
+    for the algorithm.
+
+    This form yields a flat index stream; use it with
+    ``DataLoader(dataset, sampler=s, batch_size=s.batch_size)`` (``drop_last``
+    is not needed: the stream is a whole number of batches).
+
+    Args:
+        labels: one class label per sample (ints, strings, any hashable), or
+            a dataset exposing ``labels`` or ``targets``. No sample is loaded.
+        classes_per_batch: P, classes in each rank batch.
+        samples_per_class: K, samples of each class in a batch.
+        num_replicas: world size W; detected (Horovod, torch.distributed,
+            launcher environment) when None.
+        rank: this rank in ``[0, num_replicas)``; detected when None.
+        seed: base seed; the epoch's randomness comes from a private generator
+            keyed by ``(seed, epoch)``. Must be the same on every rank.
+        small_classes: ``"repeat"`` fills classes smaller than K by repetition,
+            ``"drop"`` leaves them out.
+        class_weighting: exponent a; a class appears in proportion to
+            ``n_c ** a``: 1 = one pass over the data, 0 = every class equally
+            often, 0.5 = square-root (long-tail data).
+
+    .. warning::
+        Call :meth:`set_epoch` at the start of every epoch, before creating
+        the DataLoader iterator; otherwise every epoch has the same order.
+
+    Corner cases:
+        * about one pass per epoch: class c gives ``ceil(n_c / K)`` chunks; a
+          remainder of fewer than G chunks is dropped each epoch (a different one);
+        * a class too large to fit once per step is capped, with a different
+          random subset of its samples each epoch;
+        * fewer than G eligible classes raises ValueError saying how many exist.
+
+    Example::
+
+        sampler = DistributedBalancedSampler(dataset, classes_per_batch=16, samples_per_class=4,
+                                             num_replicas=hvd.size(), rank=hvd.rank(), seed=0)
+        loader = DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size, num_workers=4)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for images, labels in loader:
+                ...
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(batch.tolist() for batch in self._iter_batches())
+
+    def __len__(self) -> int:
+        return self._remaining_steps() * self.batch_size
+
+
+class DistributedBalancedBatchSampler(_BalancedPlan, Sampler[list[int]]):
+    """The batch form of :class:`DistributedBalancedSampler`: one list of P*K indices per step.
+
+    Same arguments, plan and guarantees; use it as
+    ``DataLoader(dataset, batch_sampler=s)``. ``len(s)`` is the number of
+    batches the next iteration yields.
+    """
+
+    _owner = "DistributedBalancedBatchSampler"
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (batch.tolist() for batch in self._iter_batches())
+
+    def __len__(self) -> int:
+        return self._remaining_steps()

@@ -1,0 +1,104 @@
+"""Check that every rank built its sampler from the same inputs.
+
+Ranks that disagree on labels, P, K, seed, epoch or world size would build
+different plans and later hang in a collective (one rank waits for an
+allreduce that another never starts). :func:`check_consistent` compares a
+fingerprint across ranks with one allgather, which every rank takes part in,
+and raises the same error on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from typing import Any, Callable
+
+import numpy as np
+
+__all__ = ["SamplerMismatchError", "check_consistent", "sampler_fingerprint"]
+
+#: the fields compared across ranks, in fingerprint order
+_FIELDS = ("labels", "plan", "seed", "epoch", "num_replicas")
+
+Allgather = Callable[[np.ndarray], np.ndarray]
+
+
+class SamplerMismatchError(RuntimeError):
+    """Raised on every rank when ranks built their samplers from different inputs."""
+
+
+def _digest64(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def sampler_fingerprint(sampler: Any) -> np.ndarray:
+    """An int64 vector summarising what must be equal on every rank.
+
+    Fields: labels digest, plan settings digest (P, K, G and policies),
+    seed, epoch, world size.
+    """
+    identity = dict(sampler._plan_identity())
+    labels = str(identity.pop("labels_fingerprint", ""))
+    identity["batch_size"] = sampler.batch_size
+    plan = repr(sorted(identity.items()))
+    return np.array(
+        [_digest64(labels), _digest64(plan), sampler.seed, sampler.epoch, sampler.num_replicas],
+        dtype=np.int64,
+    )
+
+
+def _default_allgather() -> Allgather:
+    hvd = sys.modules.get("horovod.torch")
+    if hvd is not None and hvd.is_initialized():
+        import torch
+
+        return lambda row: hvd.allgather(torch.from_numpy(row[None, :])).numpy()
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        import torch
+
+        def gather(row: np.ndarray) -> np.ndarray:
+            parts = [torch.zeros(row.shape[0], dtype=torch.int64) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, torch.from_numpy(row))
+            return torch.stack(parts).numpy()
+
+        return gather
+    return lambda row: row[None, :]
+
+
+def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> None:
+    """Raise :class:`SamplerMismatchError` on every rank if the ranks' samplers differ.
+
+    Args:
+        sampler: a pksampler sampler (balanced or triplet).
+        allgather: maps this rank's 1-D int64 fingerprint to the ``(W, F)``
+            array of every rank's; default: Horovod if initialised, else
+            torch.distributed if initialised, else a single process.
+
+    Every rank must call this at the same point (it is a collective).
+    """
+    mine = sampler_fingerprint(sampler)
+    gather = allgather if allgather is not None else _default_allgather()
+    table = np.asarray(gather(mine))
+    if table.ndim != 2 or table.shape[1] != mine.shape[0]:
+        raise SamplerMismatchError(f"allgather returned shape {table.shape}, expected (world_size, {mine.shape[0]})")
+    if table.shape[0] != sampler.num_replicas:
+        raise SamplerMismatchError(
+            f"{table.shape[0]} processes took part in the check but the sampler has num_replicas={sampler.num_replicas}"
+        )
+    differing = [name for column, name in enumerate(_FIELDS) if np.unique(table[:, column]).size > 1]
+    if differing:
+        details = []
+        for name in differing:
+            column = _FIELDS.index(name)
+            values = table[:, column]
+            groups = {int(v): np.flatnonzero(values == v).tolist() for v in np.unique(values)}
+            shown = "; ".join(
+                f"ranks {ranks}: {value if name in ('seed', 'epoch', 'num_replicas') else hex(value & (2**64 - 1))}"
+                for value, ranks in groups.items()
+            )
+            details.append(f"{name} differs ({shown})")
+        raise SamplerMismatchError(
+            "samplers differ across ranks, which would make ranks build different plans and hang in a "
+            "collective: " + ", ".join(details)
+        )

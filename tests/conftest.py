@@ -1,0 +1,22 @@
+"""Shared test set-up: make the helper modules in tests/ importable."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+# Tests must not pick up a launcher's rank from the environment they run in.
+for _key in ("HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+             "PMI_RANK", "PMI_SIZE", "RANK", "WORLD_SIZE"):
+    os.environ.pop(_key, None)
+
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=30, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
