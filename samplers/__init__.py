@@ -9,7 +9,7 @@ from __future__ import annotations
 from ._labels import ClassIndex, group_labels
 from ._world import world_info
 from .balanced import DistributedBalancedBatchSampler, DistributedBalancedSampler
-from .balanced_plan import balanced_plan, epoch_layout, rank_batches
+from .pk_plan import balanced_plan, epoch_layout, rank_batches
 from .consistency import SamplerMismatchError, check_consistent, sampler_fingerprint
 
 __all__ = [

@@ -12,7 +12,7 @@ from ._base import StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
 from ._world import resolve_world
-from .balanced_plan import SMALL_CLASS_POLICIES, EpochLayout, count_steps, epoch_layout, rank_batches
+from .pk_plan import SMALL_CLASS_POLICIES, EpochLayout, count_steps, epoch_layout, rank_batches
 
 __all__ = ["DistributedBalancedBatchSampler", "DistributedBalancedSampler"]
 
@@ -125,7 +125,7 @@ class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
     classes; rank r takes P of them, K samples each, so every rank batch is
     P x K and no class is split across ranks within a step. The global plan
     does not depend on the world size: W=1 with P=G and W ranks with P=G/W
-    produce the same global batches. See :mod:`pksampler.samplers.balanced_plan`
+    produce the same global batches. See :mod:`pksampler.samplers.pk_plan`
     for the algorithm.
 
     This form yields a flat index stream; use it with

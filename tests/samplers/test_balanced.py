@@ -26,7 +26,7 @@ from sampler_invariants import (
 
 from pksampler import DistributedBalancedSampler
 from pksampler.samplers import DistributedBalancedBatchSampler, balanced_plan, group_labels
-from pksampler.samplers.balanced_plan import cap_counts, chunk_counts, eligible_classes
+from pksampler.samplers.pk_plan import cap_counts, chunk_counts, eligible_classes
 
 
 def all_ranks(cfg: dict, *, world: int | None = None, per_rank: int | None = None, **kwargs) -> list[np.ndarray]:

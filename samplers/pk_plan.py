@@ -135,6 +135,7 @@ class EpochLayout:
         classes_per_step: G.
         class_order: shuffled class codes (only classes with chunks this epoch).
         starts: ``len(class_order) + 1`` run boundaries in the chunk sequence.
+        run_of: the run index of every chunk position (S*G,).
         column_shift: ``c_j`` per column (G,).
         step_key: ``sigma`` as an array: column position ``(o + c_j) mod S`` of step s is ``step_key[s]``.
         slot_shift: ``rho_s`` per step (S,).
@@ -145,6 +146,7 @@ class EpochLayout:
     classes_per_step: int
     class_order: np.ndarray
     starts: np.ndarray
+    run_of: np.ndarray
     column_shift: np.ndarray
     step_key: np.ndarray
     slot_shift: np.ndarray
@@ -159,12 +161,19 @@ def _counts_for_epoch(
     small_classes: str,
     class_weighting: float,
 ) -> tuple[np.ndarray, np.ndarray, int]:
+    uniform = float(rng.random())  # always drawn, so later draws do not depend on the weighting
+    memo_key = ("counts", classes_per_step, samples_per_class, small_classes)
+    if class_weighting == 1.0 and memo_key in index.memo:  # epoch-independent: computed once
+        return index.memo[memo_key]
     eligible = eligible_classes(index.sizes, samples_per_class, small_classes)
     if eligible.size < classes_per_step:
         raise ValueError(_too_few_classes_message(index, eligible.size, classes_per_step, samples_per_class, small_classes))
-    uniform = float(rng.random())  # always drawn, so later draws do not depend on the weighting
     counts = chunk_counts(index.sizes[eligible], samples_per_class, class_weighting, uniform)
     capped, num_steps = cap_counts(counts, classes_per_step)
+    if eligible.size == index.num_classes:
+        eligible = None  # all classes: spare a gather later
+    if class_weighting == 1.0:
+        index.memo[memo_key] = (eligible, capped, num_steps)
     return eligible, capped, num_steps
 
 
@@ -213,8 +222,8 @@ def epoch_layout(
     eligible, counts, num_steps = _counts_for_epoch(
         index, classes_per_step, samples_per_class, rng, small_classes, class_weighting
     )
-    shuffle = rng.permutation(eligible.size)
-    class_order = eligible[shuffle]
+    shuffle = rng.permutation(counts.size)
+    class_order = shuffle if eligible is None else eligible[shuffle]
     run_lengths = counts[shuffle]
     # The remainder (fewer than G chunks) is taken one chunk each from the last
     # classes of the shuffled order: distinct classes, different every epoch.
@@ -225,6 +234,9 @@ def epoch_layout(
         class_order, run_lengths = class_order[present], run_lengths[present]
     starts = np.zeros(class_order.size + 1, dtype=np.int64)
     np.cumsum(run_lengths, out=starts[1:])
+    # run_of[i]: the run (class in class_order) holding chunk position i; O(S*G)
+    run_dtype = np.int32 if class_order.size < 2**31 else np.int64
+    run_of = np.repeat(np.arange(class_order.size, dtype=run_dtype), run_lengths)
 
     column_shift = _column_shifts(starts, num_steps, classes_per_step, rng.random(classes_per_step))
     step_key = rng.permutation(num_steps)
@@ -235,6 +247,7 @@ def epoch_layout(
         classes_per_step=classes_per_step,
         class_order=class_order,
         starts=starts,
+        run_of=run_of,
         column_shift=column_shift,
         step_key=step_key,
         slot_shift=slot_shift,
@@ -289,13 +302,14 @@ def rank_batches(
     column = (slots[None, :] + layout.slot_shift[steps][:, None]) % columns
     offset = (layout.step_key[steps][:, None] - layout.column_shift[column]) % num_steps
     position = column * num_steps + offset
-    run = np.searchsorted(layout.starts, position, side="right") - 1
+    run = layout.run_of[position]
     chunk = position - layout.starts[run]
     cls = layout.class_order[run]
     size = index.sizes[cls]
     within = (chunk[..., None] * samples_per_class + np.arange(samples_per_class)) % size[..., None]
     keys = mix64(layout.member_key ^ cls.astype(np.uint64))
-    shuffled = keyed_permute(within, size[..., None], keys[..., None])
+    rows = within.reshape(-1, samples_per_class)
+    shuffled = keyed_permute(rows, size.reshape(-1), keys.reshape(-1)).reshape(within.shape)
     return index.members[index.offsets[cls][..., None] + shuffled].astype(np.int64, copy=False)
 
 

@@ -1,0 +1,119 @@
+"""One epoch's plan for one rank, against numpy's permutation(N) and torch's DistributedSampler.
+
+Run: .venv/bin/python benchmarks/sampler_speed.py [--sizes 1e6:1e5 1e7:1e6]
+
+Long-tail (Zipf-like) labels, W=16 ranks, P=32 classes x K=4 samples. Each
+measurement runs in a fresh process so that peak-memory numbers do not leak
+into each other. Reported as ratios against the references measured in the
+same run:
+
+* plan time / permutation(N) time        (target <= 0.5 at N=1e7)
+* plan peak memory / DistributedSampler's (target <= 0.25)
+* stream rate: indices per second when iterating this rank's sampler (target >= 5e6)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import measure  # noqa: E402
+
+WORLD, P, K, RANK = 16, 32, 4, 0
+
+
+def long_tail_labels(num_samples: int, num_classes: int, seed: int = 0) -> np.ndarray:
+    """Zipf-like class sizes (exponent 0.8); every class non-empty."""
+    rng = np.random.default_rng(seed)
+    weights = 1.0 / np.arange(1, num_classes + 1) ** 0.8
+    extra = rng.choice(num_classes, num_samples - num_classes, p=weights / weights.sum())
+    return rng.permutation(np.concatenate([np.arange(num_classes), extra]))
+
+
+def child(case: str, num_samples: int, num_classes: int) -> dict:
+    """Measure one case in this (fresh) process."""
+    if case == "permutation":
+        rng = np.random.default_rng(0)
+        seconds, peak = measure(lambda: rng.permutation(num_samples))
+        return {"seconds": seconds, "peak_bytes": peak}
+    if case == "distributed_sampler":
+        import torch.utils.data as tud
+
+        sampler = tud.distributed.DistributedSampler(range(num_samples), num_replicas=WORLD, rank=RANK, seed=0)
+        seconds, peak = measure(lambda: list(iter(sampler)))
+        return {"seconds": seconds, "peak_bytes": peak}
+    from pksampler.samplers import DistributedBalancedSampler, epoch_layout, group_labels, rank_batches
+
+    labels = long_tail_labels(num_samples, num_classes)
+    if case == "balanced_plan":
+        index = group_labels(labels)
+        epochs = iter(range(100))
+
+        def plan() -> np.ndarray:
+            layout = epoch_layout(index, WORLD * P, K, seed=0, epoch=next(epochs))
+            return rank_batches(layout, index, P, K, RANK)
+
+        seconds, peak = measure(plan)
+        return {"seconds": seconds, "peak_bytes": peak, "indices": int(plan().size)}
+    if case == "balanced_stream":
+        sampler = DistributedBalancedSampler(labels, P, K, num_replicas=WORLD, rank=RANK, seed=0)
+        epochs = iter(range(100))
+
+        def stream() -> int:
+            sampler.set_epoch(next(epochs))
+            count = 0
+            for _ in sampler:
+                count += 1
+            return count
+
+        seconds, _ = measure(stream)
+        return {"seconds": seconds, "indices": len(sampler)}
+    if case == "balanced_init":
+        seconds, peak = measure(lambda: group_labels(labels), repeats=1)
+        return {"seconds": seconds, "peak_bytes": peak}
+    raise ValueError(case)
+
+
+def run_case(case: str, num_samples: int, num_classes: int) -> dict:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", case, str(num_samples), str(num_classes)],
+        check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", nargs="+", default=["1e6:1e5", "1e7:1e6"], help="N:C pairs")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        case, n, c = args.child
+        print(json.dumps(child(case, int(n), int(c))))
+        return
+    mib = 2**20
+    for pair in args.sizes:
+        n, c = (int(float(x)) for x in pair.split(":"))
+        results = {case: run_case(case, n, c) for case in
+                   ("permutation", "distributed_sampler", "balanced_init", "balanced_plan", "balanced_stream")}
+        perm, dist, plan, stream, init = (results[k] for k in
+                                          ("permutation", "distributed_sampler", "balanced_plan", "balanced_stream", "balanced_init"))
+        rate = stream["indices"] / stream["seconds"]
+        print(f"N={n:.0e} C={c:.0e} W={WORLD} P={P} K={K} (rank {RANK}: {plan['indices']} indices)")
+        print(f"  numpy permutation(N)        {perm['seconds']:8.3f} s  {perm['peak_bytes'] / mib:8.1f} MiB")
+        print(f"  torch DistributedSampler    {dist['seconds']:8.3f} s  {dist['peak_bytes'] / mib:8.1f} MiB")
+        print(f"  pksampler plan (this rank)  {plan['seconds']:8.3f} s  {plan['peak_bytes'] / mib:8.1f} MiB")
+        print(f"  pksampler one-off grouping  {init['seconds']:8.3f} s  {init['peak_bytes'] / mib:8.1f} MiB")
+        print(f"  plan time / permutation     {plan['seconds'] / perm['seconds']:8.3f}   (target <= 0.5)")
+        print(f"  plan memory / DistSampler   {plan['peak_bytes'] / max(dist['peak_bytes'], 1):8.3f}   (target <= 0.25)")
+        print(f"  stream rate                 {rate / 1e6:8.2f} M indices/s (target >= 5)")
+
+
+if __name__ == "__main__":
+    main()
