@@ -1,0 +1,151 @@
+"""Retrieval metrics against a brute-force numpy reference."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pksampler.train.evaluate import _normalise, knn_search, retrieval_metrics, save_gallery_png
+
+
+def reference_metrics(query, query_labels, gallery=None, gallery_labels=None, ks=(1, 5, 10), metric="cosine"):
+    """Full distance matrix, ranking by (distance, gallery index); the definitions written out."""
+    query = np.asarray(query, dtype=np.float32)
+    self_gallery = gallery is None
+    gallery = query if self_gallery else np.asarray(gallery, dtype=np.float32)
+    gallery_labels = np.asarray(query_labels if self_gallery else gallery_labels)
+    if metric == "cosine":
+        query, gallery = _normalise(query), _normalise(gallery)
+    q, g = query.astype(np.float64), gallery.astype(np.float64)
+    dist = ((q[:, None] - g[None]) ** 2).sum(-1) if metric == "l2" else -(q @ g.T)
+    out = {f"recall_at_{k}": [] for k in ks}
+    out.update(precision_at_1=[], r_precision=[], map_at_r=[])
+    excluded = 0
+    for i in range(len(query)):
+        candidates = np.arange(len(gallery))
+        if self_gallery:
+            candidates = candidates[candidates != i]
+        order = candidates[np.lexsort((candidates, dist[i, candidates]))]
+        hit = gallery_labels[order] == query_labels[i]
+        r = int(hit.sum())
+        if r == 0:
+            excluded += 1
+            continue
+        for k in ks:
+            out[f"recall_at_{k}"].append(hit[:k].any())
+        out["precision_at_1"].append(hit[0])
+        out["r_precision"].append(hit[:r].sum() / r)
+        precisions = np.cumsum(hit[:r]) / np.arange(1, r + 1)
+        out["map_at_r"].append((precisions * hit[:r]).sum() / r)
+    result = {name: float(np.mean(values)) for name, values in out.items()}
+    result["num_excluded"] = excluded
+    result["num_queries"] = len(query) - excluded
+    return result
+
+
+def assert_same(got, want):
+    assert set(want) <= set(got)
+    for name, value in want.items():
+        assert got[name] == pytest.approx(value, abs=1e-9), (name, got[name], value)
+
+
+def test_random_embeddings_with_duplicates_match_reference():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(300, 8)).astype(np.float32)
+    labels = rng.integers(0, 20, 300)
+    x[50:60] = x[40:50]  # exact duplicates (ties), some across classes
+    labels[50:55] = labels[40:45]
+    assert_same(retrieval_metrics(x, labels), reference_metrics(x, labels))
+    assert_same(retrieval_metrics(x, labels, metric="l2"), reference_metrics(x, labels, metric="l2"))
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_massive_exact_ties_match_reference(metric):
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 3, size=(400, 3)).astype(np.float32)  # 27 distinct points: ties everywhere
+    labels = rng.integers(0, 6, 400)
+    assert_same(retrieval_metrics(x, labels, metric=metric), reference_metrics(x, labels, metric=metric))
+    g, gl = x[:150], labels[:150]
+    assert_same(
+        retrieval_metrics(x[150:], labels[150:], g, gl, metric=metric, ks=(1, 3)),
+        reference_metrics(x[150:], labels[150:], g, gl, metric=metric, ks=(1, 3)),
+    )
+
+
+def test_chunked_and_unchunked_are_identical():
+    rng = np.random.default_rng(2)
+    x = rng.integers(0, 4, size=(500, 4)).astype(np.float32)
+    labels = rng.integers(0, 8, 500)
+    whole = retrieval_metrics(x, labels, metric="l2")
+    for chunk, budget in ((7, 1 << 24), (4096, 200), (1, 1)):
+        assert retrieval_metrics(x, labels, metric="l2", chunk_size=chunk, max_neighbours_per_chunk=budget) == whole
+
+
+def test_map_at_r_hand_computed():
+    # 1-D embeddings: gallery item j lies at distance j + 1 from the query at 0.
+    gallery = np.arange(1, 13, dtype=np.float32)[:, None]
+    hits = np.array([1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 1, 1])  # R = 4; correct at ranks 1 and 3 within the top R
+    gallery_labels = np.where(hits == 1, 7, 8)
+    result = retrieval_metrics(np.zeros((1, 1), np.float32), [7], gallery, gallery_labels, metric="l2", ks=(1, 2))
+    assert result["map_at_r"] == pytest.approx((1 / 1 + 2 / 3) / 4)
+    assert result["r_precision"] == pytest.approx(2 / 4)
+    assert result["precision_at_1"] == 1.0 and result["recall_at_2"] == 1.0
+    # the paper's example: R = 10, correct at ranks 1 and 3 -> (1 + 2/3) / 10
+    hits = np.array([1, 0, 1, 0, 0, 0, 0, 0, 0, 0] + [1] * 8)
+    result = retrieval_metrics(np.zeros((1, 1), np.float32), [1], np.arange(1, 19, dtype=np.float32)[:, None],
+                               hits, metric="l2")
+    assert result["map_at_r"] == pytest.approx((1 + 2 / 3) / 10)
+
+
+def test_self_excluded_by_index_duplicates_count_and_singletons_are_excluded():
+    x = np.array([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [-1.0, 0.0]], dtype=np.float32)
+    labels = np.array([0, 0, 1, 2])  # rows 0 and 1 are exact duplicates of one class
+    result = retrieval_metrics(x, labels, ks=(1,))
+    assert result["num_excluded"] == 2  # classes 1 and 2 have no other item
+    assert result["num_queries"] == 2
+    assert result["recall_at_1"] == 1.0 and result["map_at_r"] == 1.0
+
+
+def test_torch_input_and_knn_search():
+    x = torch.randn(50, 6, generator=torch.Generator().manual_seed(3))
+    labels = torch.arange(50) % 5
+    assert retrieval_metrics(x, labels) == retrieval_metrics(x.numpy(), labels.numpy())
+    d, i = knn_search(x.numpy(), x.numpy(), 3, exclude_self=True)
+    assert i.shape == (50, 3) and not (i == np.arange(50)[:, None]).any()
+    assert (np.diff(d, axis=1) >= 0).all()
+    d, i = knn_search(x.numpy()[:2], x.numpy()[:3], 5, metric="l2")
+    assert (i[:, 3:] == -1).all() and np.isinf(d[:, 3:]).all()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"query": np.full((3, 2), np.nan)}, ValueError, r"query=\) contains NaN or Inf \(first in row 0\)"),
+        ({"query": np.zeros(3)}, ValueError, r"query=\) must be a non-empty 2-D"),
+        ({"query_labels": [0, 1]}, ValueError, r"query_labels=\) must be 1-D with one label per row of query \(3\)"),
+        ({"metric": "hamming"}, ValueError, r"metric=\) must be one of \['cosine', 'l2', 'ip'\], got 'hamming'"),
+        ({"ks": (0,)}, ValueError, r"ks=\) must be positive ints"),
+        ({"gallery": np.zeros((2, 5)), "gallery_labels": [0, 1]}, ValueError, r"dimension 2 but gallery has 5"),
+        ({"gallery": np.zeros((2, 2))}, ValueError, r"gallery_labels=\) is required"),
+        ({"query": np.array([["a", "b"]] * 3)}, TypeError, r"must be numeric"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    args = {"query": np.eye(3, 2, dtype=np.float32), "query_labels": [0, 0, 1]}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        retrieval_metrics(**args)
+
+
+def test_gallery_png_frames_right_and_wrong(tmp_path):
+    images = [np.full((16, 16, 3), v, np.uint8) for v in (0, 60, 120, 180)]
+    path = save_gallery_png(tmp_path / "out" / "gallery.png", images[:2], [images[1:4], images[0:3]],
+                            [[True, False, True], [False, False, True]], cell=20, border=2)
+    picture = np.asarray(Image.open(path))
+    assert picture.shape == (2 * 24 + 4, 4 * 24 + 4, 3)
+    # frame pixel left of the first neighbour in row 0: green; in row 1: red
+    assert tuple(picture[4 + 10, 4 + 24 - 1]) == (0, 170, 0)
+    assert tuple(picture[4 + 24 + 10, 4 + 24 - 1]) == (210, 0, 0)
+    assert not list((tmp_path / "out").glob(".*"))  # no temporary left behind
