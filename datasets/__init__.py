@@ -1,1 +1,30 @@
-"""pksampler.datasets"""
+"""Labelled image datasets, transforms and the synthetic product set.
+
+Every dataset exposes ``labels`` (int64, built without decoding an image), so
+``DistributedBalancedSampler(dataset, ...)`` works directly.
+"""
+
+from __future__ import annotations
+
+from ._image import ImageLoadError, load_rgb
+from .base import LabelledDataset, LabelledSubset
+from .folder import ImageFolderDataset
+from .listfile import ListFileDataset
+from .split import class_disjoint_split
+from .synthetic import SyntheticProducts, render_product
+from .transforms import eval_preset, sample_rng, train_preset
+
+__all__ = [
+    "ImageFolderDataset",
+    "ImageLoadError",
+    "LabelledDataset",
+    "LabelledSubset",
+    "ListFileDataset",
+    "SyntheticProducts",
+    "class_disjoint_split",
+    "eval_preset",
+    "load_rgb",
+    "render_product",
+    "sample_rng",
+    "train_preset",
+]

@@ -1,0 +1,117 @@
+"""ListFileDataset: a CSV/TSV of ``path,label`` or the Stanford Online Products layout."""
+
+from __future__ import annotations
+
+import csv
+import os
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+from PIL import Image
+
+from ._image import load_rgb, verify_image
+from .base import LabelledDataset
+
+__all__ = ["ListFileDataset", "resolve_under"]
+
+
+def resolve_under(root: Path, relative: str, *, where: str) -> Path:
+    """``root / relative``, refusing anything that resolves outside ``root``."""
+    candidate = Path(relative)
+    resolved = (candidate if candidate.is_absolute() else root / candidate).resolve()
+    root_resolved = root.resolve()
+    if resolved != root_resolved and root_resolved not in resolved.parents:
+        raise ValueError(f"{where}: path {relative!r} resolves to {resolved}, outside root {root_resolved}")
+    return resolved
+
+
+class ListFileDataset(LabelledDataset):
+    """Images listed in a text file.
+
+    Accepted layouts (detected from the first line):
+
+    * CSV or TSV with two columns ``path,label`` (a header line is optional);
+    * Stanford Online Products ``Ebay_train.txt``/``Ebay_test.txt``: a header
+      ``image_id class_id super_class_id path`` and space-separated rows.
+
+    Labels may be any strings or integers; ``classes`` holds them sorted and
+    ``labels`` their int64 codes. Relative paths resolve under ``root``
+    (default: the list file's folder); a path that escapes ``root`` (``..``,
+    an absolute path elsewhere) is refused with an error naming the line.
+    """
+
+    def __init__(self, list_file: str | os.PathLike, root: str | os.PathLike | None = None,
+                 transform: Callable | None = None, *, seed: int = 0, skip_bad: bool = False) -> None:
+        super().__init__(transform, seed=seed)
+        self.list_file = Path(list_file)
+        if not self.list_file.is_file():
+            raise FileNotFoundError(f"ListFileDataset(list_file=) not found: {self.list_file}")
+        self.root = Path(root) if root is not None else self.list_file.parent
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"ListFileDataset(root=) is not a directory: {self.root}")
+        rows = _read_rows(self.list_file)
+        paths: list[str] = []
+        raw_labels: list[str] = []
+        for line_number, path, label in rows:
+            where = f"{self.list_file}:{line_number}"
+            paths.append(str(resolve_under(self.root, path, where=where)))
+            raw_labels.append(label)
+        if not paths:
+            raise ValueError(f"ListFileDataset(list_file=) lists no images: {self.list_file}")
+        as_int = all(_is_int(v) for v in raw_labels)
+        values = np.asarray([int(v) for v in raw_labels]) if as_int else np.asarray(raw_labels)
+        classes, codes = np.unique(values, return_inverse=True)
+        self.paths = paths
+        self.labels = codes.astype(np.int64).reshape(-1)
+        self.classes = [str(c) for c in classes]
+        if skip_bad:
+            good = np.fromiter((verify_image(p) for p in self.paths), dtype=bool, count=len(self.paths))
+            if not good.all():
+                warnings.warn(f"ListFileDataset: skipped {int((~good).sum())} unreadable image file(s) listed in "
+                              f"{self.list_file}", stacklevel=2)
+                self.paths = [p for p, ok in zip(self.paths, good) if ok]
+                self.labels = self.labels[good]
+
+    def load(self, index: int) -> Image.Image:
+        return load_rgb(self.paths[index])
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _read_rows(list_file: Path) -> list[tuple[int, str, str]]:
+    with open(list_file, newline="", encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    first = next((line for line in lines if line.strip()), "")
+    header = first.strip().lower().split()
+    if header[:4] == ["image_id", "class_id", "super_class_id", "path"]:
+        rows = []
+        for number, line in enumerate(lines[1:], start=2):
+            if not line.strip():
+                continue
+            parts = line.split()
+            if len(parts) != 4:
+                raise ValueError(f"{list_file}:{number}: expected 'image_id class_id super_class_id path', got {line!r}")
+            rows.append((number, parts[3], parts[1]))
+        return rows
+    delimiter = "\t" if "\t" in first else ","
+    rows = []
+    for number, record in enumerate(csv.reader(lines, delimiter=delimiter), start=1):
+        if not record or not "".join(record).strip():
+            continue
+        if len(record) != 2:
+            raise ValueError(f"{list_file}:{number}: expected two columns 'path{delimiter}label', got {record!r}")
+        path, label = record[0].strip(), record[1].strip()
+        if number == 1 and path.lower() in ("path", "file", "filename", "image") and not _is_int(label):
+            continue  # header
+        if not path or not label:
+            raise ValueError(f"{list_file}:{number}: empty path or label in {record!r}")
+        rows.append((number, path, label))
+    return rows
