@@ -19,13 +19,13 @@ no N x N matrix is ever built.
 
 from __future__ import annotations
 
-import math
-import os
-import tempfile
+import io
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+
+from .checkpoint import atomic_write_bytes
 
 __all__ = ["METRICS", "knn_search", "retrieval_metrics", "save_gallery_png"]
 
@@ -317,14 +317,6 @@ def save_gallery_png(
             colour = (128, 128, 128) if c == 0 else ((0, 170, 0) if correct[r, c - 1] else (210, 0, 0))
             draw.rectangle([x0 - border, y0 - border, x0 + cell + border - 1, y0 + cell + border - 1], fill=colour)
             canvas.paste(_to_pil(image).resize((cell, cell)), (x0, y0))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
-    os.close(handle)
-    try:
-        canvas.save(temporary, format="PNG")
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
+    return atomic_write_bytes(path, buffer.getvalue())

@@ -1,0 +1,112 @@
+"""Embedding network in plain torch: a compact ResNet-style backbone and an L2-normalised head."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["EmbeddingNet", "build_model"]
+
+NormFactory = Callable[[int], nn.Module]
+
+
+def norm_factory(kind: str, sync_batch_norm: type[nn.Module] | None = None) -> NormFactory:
+    """A constructor for the chosen normalisation layer.
+
+    ``group`` (GroupNorm) and ``none`` do not depend on the local batch, so W
+    ranks train the same model as one process with the global batch; ``batch``
+    normalises per rank; ``sync_batch`` uses the backend's SyncBatchNorm.
+    """
+    if kind == "group":
+        return lambda channels: nn.GroupNorm(min(8, channels), channels)
+    if kind == "batch":
+        return nn.BatchNorm2d
+    if kind == "sync_batch":
+        if sync_batch_norm is None:
+            raise ValueError("model.norm='sync_batch' needs a distributed backend with SyncBatchNorm")
+        return sync_batch_norm
+    if kind == "none":
+        return lambda channels: nn.Identity()
+    raise ValueError(f"model.norm must be one of ['group', 'batch', 'sync_batch', 'none'], got {kind!r}")
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (He et al. 2016)."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int, norm: NormFactory) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride, 1, bias=False)
+        self.norm1 = norm(out_channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, 1, 1, bias=False)
+        self.norm2 = norm(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(nn.Conv2d(in_channels, out_channels, 1, stride, bias=False), norm(out_channels))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.relu(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return F.relu(out + self.shortcut(x))
+
+
+class EmbeddingNet(nn.Module):
+    """ResNet-style backbone (stages of width w, 2w, 4w, 8w...) + linear head, L2-normalised output.
+
+    Args:
+        width: channels of the first stage.
+        depth: residual blocks per stage; each stage after the first halves the resolution.
+        embedding_dim: size of the output embedding.
+        norm: normalisation layer constructor (see :func:`norm_factory`).
+    """
+
+    def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
+                 norm: NormFactory | None = None) -> None:
+        super().__init__()
+        norm = norm or norm_factory("group")
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True))
+        stages, channels = [], width
+        for index, blocks in enumerate(depth):
+            out_channels = width * 2**index
+            for block in range(blocks):
+                stride = 2 if (index > 0 and block == 0) else 1
+                stages.append(BasicBlock(channels, out_channels, stride, norm))
+                channels = out_channels
+        self.stages = nn.Sequential(*stages)
+        self.head = nn.Linear(channels, embedding_dim)
+        self.embedding_dim = embedding_dim
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.stages(self.stem(images))
+        pooled = features.mean(dim=(2, 3))
+        return F.normalize(self.head(pooled), dim=1)
+
+
+class TorchvisionEmbedding(nn.Module):
+    """A torchvision backbone (when torchvision imports) with the same embedding head."""
+
+    def __init__(self, name: str, embedding_dim: int) -> None:
+        super().__init__()
+        try:
+            import torchvision
+        except Exception as error:  # torchvision missing or built for another torch
+            raise ValueError(f"model.backbone={'torchvision:' + name!r} needs a working torchvision: {error}") from None
+        backbone = getattr(torchvision.models, name)(weights=None)
+        features = backbone.fc.in_features
+        backbone.fc = nn.Identity()
+        self.backbone, self.head = backbone, nn.Linear(features, embedding_dim)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.head(self.backbone(images)), dim=1)
+
+
+def build_model(config, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
+    """The model a ModelConfig describes."""
+    if config.backbone.startswith("torchvision:"):
+        return TorchvisionEmbedding(config.backbone.split(":", 1)[1], config.embedding_dim)
+    if config.backbone != "resnet":
+        raise ValueError(f"model.backbone must be 'resnet' or 'torchvision:<name>', got {config.backbone!r}")
+    return EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
+                        norm_factory(config.norm, sync_batch_norm))
