@@ -40,6 +40,9 @@ def sampler_fingerprint(sampler: Any) -> np.ndarray:
     identity = dict(sampler._plan_identity())
     labels = str(identity.pop("labels_fingerprint", ""))
     identity["batch_size"] = sampler.batch_size
+    extra = getattr(sampler, "consistency_extra", None)
+    if extra is not None:
+        identity["extra"] = extra()
     plan = repr(sorted(identity.items()))
     return np.array(
         [_digest64(labels), _digest64(plan), sampler.seed, sampler.epoch, sampler.num_replicas],

@@ -1,0 +1,185 @@
+"""DistributedTripletSampler: triple validity, rank disjointness, anchor coverage, invariance, hard negatives."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from sampler_invariants import make_labels
+
+from pksampler.samplers import (
+    DistributedTripletBatchSampler,
+    DistributedTripletSampler,
+    check_consistent,
+    SamplerMismatchError,
+)
+
+
+@st.composite
+def triplet_configs(draw: st.DrawFn, max_world: int = 16) -> dict:
+    world = draw(st.integers(1, max_world))
+    per_rank = draw(st.integers(1, 4))
+    kind = draw(st.sampled_from(["uniform", "zipf", "small", "dominant"]))
+    num_classes = draw(st.integers(2, 40))
+    num_samples = draw(st.integers(world * per_rank + num_classes, 10 * (world * per_rank + num_classes)))
+    labels = make_labels(kind, num_classes, num_samples, draw(st.integers(0, 2**31 - 1)))
+    return {"labels": labels, "world": world, "T": per_rank, "seed": draw(st.integers(0, 1000)),
+            "epoch": draw(st.integers(0, 5))}
+
+
+def rank_plans(cfg: dict, world: int | None = None, per_rank: int | None = None, **kwargs) -> list[np.ndarray]:
+    world = cfg["world"] if world is None else world
+    per_rank = cfg["T"] if per_rank is None else per_rank
+    plans = []
+    for rank in range(world):
+        sampler = DistributedTripletBatchSampler(cfg["labels"], per_rank, num_replicas=world, rank=rank,
+                                                 seed=cfg["seed"], **kwargs)
+        sampler.set_epoch(cfg["epoch"])
+        batches = list(sampler)
+        assert len(batches) == len(sampler)
+        plans.append(np.asarray(batches, dtype=np.int64).reshape(len(batches), per_rank, 3))
+    return plans
+
+
+def has_enough_anchors(cfg: dict) -> bool:
+    sizes = np.bincount(cfg["labels"])
+    return int(sizes[sizes >= 2].sum()) >= cfg["world"] * cfg["T"]
+
+
+@given(triplet_configs())
+def test_triples_are_valid_and_ranks_disjoint_with_equal_lengths(cfg):
+    labels = cfg["labels"]
+    if not has_enough_anchors(cfg):
+        with pytest.raises(ValueError, match="not enough anchors"):
+            rank_plans(cfg)
+        return
+    plans = rank_plans(cfg)
+    assert len({p.shape[0] for p in plans}) == 1
+    for plan in plans:
+        a, p, n = plan[..., 0], plan[..., 1], plan[..., 2]
+        assert (labels[a] == labels[p]).all() and (a != p).all()
+        assert (labels[n] != labels[a]).all()
+    anchors = np.concatenate([p[..., 0] for p in plans], axis=1)
+    for row in anchors:
+        assert np.unique(row).size == row.size, "an anchor is used twice in one step"
+
+
+@given(triplet_configs(max_world=8))
+def test_every_anchor_once_per_epoch_up_to_the_remainder(cfg):
+    if not has_enough_anchors(cfg):
+        return
+    labels = cfg["labels"]
+    plans = rank_plans(cfg)
+    anchors = np.concatenate([p[..., 0].reshape(-1) for p in plans])
+    sizes = np.bincount(labels)
+    eligible = np.flatnonzero(sizes[labels] >= 2)
+    per_step = cfg["world"] * cfg["T"]
+    assert anchors.size == (eligible.size // per_step) * per_step
+    counts = np.bincount(anchors, minlength=labels.size)
+    assert counts.max() <= 1 and counts[eligible].sum() == anchors.size
+    assert not counts[sizes[labels] < 2].any(), "a class with one sample served as anchor"
+
+
+@given(triplet_configs())
+def test_world_size_invariance(cfg):
+    if not has_enough_anchors(cfg):
+        return
+    merged = np.concatenate(rank_plans(cfg), axis=1)
+    single = rank_plans(cfg, world=1, per_rank=cfg["world"] * cfg["T"])[0]
+    assert np.array_equal(merged, single)
+
+
+def test_deterministic_across_processes_and_epochs():
+    code = ("import numpy as np, sys; from pksampler.samplers import DistributedTripletSampler as S;"
+            "s = S(np.arange(300) % 11, 4, num_replicas=3, rank=2, seed=9); s.set_epoch(4);"
+            "sys.stdout.write(','.join(map(str, s)))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    sampler = DistributedTripletSampler(np.arange(300) % 11, 4, num_replicas=3, rank=2, seed=9)
+    sampler.set_epoch(4)
+    stream = list(sampler)
+    assert out == ",".join(map(str, stream)) and len(stream) == len(sampler)
+    sampler.set_epoch(5)
+    assert list(sampler) != stream
+
+
+def planted_embeddings(num_classes: int = 12, per_class: int = 20, seed: int = 0):
+    """Class 1's centroid lies right next to class 0's; the others are spread out."""
+    rng = np.random.default_rng(seed)
+    centres = rng.normal(size=(num_classes, 16))
+    centres[1] = centres[0] + 0.05 * rng.normal(size=16)
+    labels = np.repeat(np.arange(num_classes), per_class)
+    return centres[labels] + 0.01 * rng.normal(size=(labels.size, 16)), labels
+
+
+def test_hard_negatives_come_from_the_nearest_class_at_the_requested_fraction():
+    embeddings, labels = planted_embeddings()
+    sampler = DistributedTripletBatchSampler(labels, 8, num_replicas=2, rank=0, seed=1, negatives="hard",
+                                             hard_classes=1, hard_fraction=0.6)
+    table = sampler.update_class_neighbours(embeddings, labels)
+    assert table[0, 0] == 1 and table[1, 0] == 0
+    before = np.array(list(sampler)).reshape(-1, 3)  # epoch 0: table not in force yet
+    sampler.set_epoch(1)
+    picks = []
+    for epoch in range(1, 41):
+        sampler.set_epoch(epoch)
+        triples = np.array(list(sampler)).reshape(-1, 3)
+        from_zero = triples[labels[triples[:, 0]] == 0]
+        picks.append(labels[from_zero[:, 2]] == 1)
+    picks = np.concatenate(picks)
+    # Expected share: 0.6 hard + 0.4 * 1/11 random hits on class 1 = 0.636. With
+    # ~2000 draws the standard error is ~0.011; allow 5 of them.
+    expected = 0.6 + 0.4 / 11
+    assert abs(picks.mean() - expected) < 0.055, picks.mean()
+    zero_before = before[labels[before[:, 0]] == 0]
+    assert (labels[zero_before[:, 2]] == 1).mean() < 0.4  # random before the update
+
+
+def test_neighbour_table_is_part_of_the_consistency_fingerprint_and_state():
+    embeddings, labels = planted_embeddings()
+    a = DistributedTripletBatchSampler(labels, 4, num_replicas=2, rank=0, negatives="hard")
+    b = DistributedTripletBatchSampler(labels, 4, num_replicas=2, rank=1, negatives="hard")
+    a.update_class_neighbours(embeddings, labels)
+    a.set_epoch(1)
+    b.set_epoch(1)
+    from pksampler.samplers import sampler_fingerprint
+
+    rows = np.stack([sampler_fingerprint(a), sampler_fingerprint(b)])
+    with pytest.raises(SamplerMismatchError, match="plan differs"):
+        check_consistent(a, allgather=lambda row: rows)
+    fresh = DistributedTripletBatchSampler(labels, 4, num_replicas=2, rank=0, negatives="hard")
+    fresh.load_state_dict(a.state_dict())
+    assert list(fresh) == list(a)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"triplets_per_batch": 0}, ValueError, r"triplets_per_batch=\) must be >= 1, got 0"),
+        ({"labels": np.zeros(50, dtype=int)}, ValueError, r"needs at least 2 classes"),
+        ({"negatives": "semi"}, ValueError, r"negatives=\) must be one of \['random', 'hard'\], got 'semi'"),
+        ({"hard_fraction": 1.5}, ValueError, r"hard_fraction=\) must be in \[0.0, 1.0\], got 1.5"),
+        ({"triplets_per_batch": 40}, ValueError, r"needs num_replicas \* triplets_per_batch = 80 anchors"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    args = {"labels": np.arange(60) % 6, "triplets_per_batch": 2, "num_replicas": 2, "rank": 0}
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        DistributedTripletSampler(**args)
+
+
+def test_bad_neighbour_updates():
+    embeddings, labels = planted_embeddings()
+    sampler = DistributedTripletSampler(labels, 2, num_replicas=1, rank=0, negatives="hard")
+    with pytest.raises(ValueError, match=r"labels the sampler does not know, e.g. \[99"):
+        sampler.update_class_neighbours(embeddings, np.where(labels == 0, 99, labels))
+    bad = embeddings.copy()
+    bad[5, 3] = np.nan
+    with pytest.raises(ValueError, match=r"contains NaN or Inf \(first in row 5\)"):
+        sampler.update_class_neighbours(bad, labels)
+    with pytest.raises(ValueError, match=r"labels=\) must have shape \(240,\)"):
+        sampler.update_class_neighbours(embeddings, labels[:10])
