@@ -93,7 +93,8 @@ def _class_codes(index: ClassIndex, labels: np.ndarray) -> tuple[np.ndarray, np.
 def _default_broadcast() -> Callable[[Any], Any]:
     hvd = sys.modules.get("horovod.torch")
     if hvd is not None and hvd.is_initialized():
-        return lambda value: hvd.broadcast_object(value, root_rank=0)
+        # explicit name: the default (the type name) differs between sender and receivers
+        return lambda value: hvd.broadcast_object(value, root_rank=0, name="pksampler.class_neighbours")
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         def broadcast(value: Any) -> Any:

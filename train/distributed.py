@@ -95,11 +95,17 @@ class HorovodBackend(Backend):
         return self.hvd.allgather(tensor)
 
     def broadcast_object(self, value: Any, root: int = 0) -> Any:
-        return self.hvd.broadcast_object(value, root_rank=root)
+        # An explicit name: the default is the type name, which differs between the
+        # sender (a value) and the receivers (None) and would deadlock.
+        return self.hvd.broadcast_object(value, root_rank=root, name="pksampler.broadcast_object")
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-        self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        # With an empty state (a fresh run) Horovod would first take a
+        # zero-gradient step to create it, which moves weight-decayed
+        # parameters; a fresh state is identical on every rank anyway.
+        if optimizer.state_dict()["state"]:
+            self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
     def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step):
         compression = self.hvd.Compression.fp16 if fp16_allreduce else self.hvd.Compression.none

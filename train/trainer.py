@@ -182,6 +182,10 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
     norm_class = backend.sync_batch_norm() if config.model.norm == "sync_batch" else None
     model = build_model(config.model, norm_class)
     optimizer, lr = _optimizer(config, model, global_batch)
+    # Wrap before loading any state: Horovod's DistributedOptimizer is a new
+    # optimizer built from the param groups and does not carry state over.
+    train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
+                                          backward_passes_per_step=config.train.backward_passes_per_step)
     total_steps = config.train.epochs * -(-sampler.num_batches // config.train.backward_passes_per_step)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config.optim.warmup_steps, total_steps))
     loss_fn = build_loss(config.loss.name, config.loss.args)
@@ -202,8 +206,6 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
         start_epoch, global_step, best = state["epoch"], state["global_step"], state["best"]
         history, sampler_state = state["history"], state["sampler"]
     backend.broadcast_state(model, optimizer)
-    train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
-                                          backward_passes_per_step=config.train.backward_passes_per_step)
 
     log = _Log(workspace / "metrics.jsonl", is_main)
     if is_main:
@@ -237,6 +239,10 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
             "config": config.to_dict(),
         })
 
+    if config.train.max_steps is not None and global_step >= config.train.max_steps:
+        checkpoint(start_epoch, 0, end_of_epoch=False)  # e.g. max_steps=0: the initial parameters
+        log.close()
+        return TrainResult(global_step, start_epoch, final_metrics, workspace)
     try:
         for epoch in range(start_epoch, config.train.epochs):
             sampler.set_epoch(epoch)
