@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _measure import measure  # noqa: E402
 
 WORLD, P, K, RANK = 16, 32, 4, 0
+TRIPLETS = 42  # about P*K/3 images per rank batch
 
 
 def long_tail_labels(num_samples: int, num_classes: int, seed: int = 0) -> np.ndarray:
@@ -74,6 +75,27 @@ def child(case: str, num_samples: int, num_classes: int) -> dict:
 
         seconds, _ = measure(stream)
         return {"seconds": seconds, "indices": len(sampler)}
+    if case == "triplet_plan":
+        from pksampler.samplers import DistributedTripletBatchSampler
+
+        sampler = DistributedTripletBatchSampler(labels, TRIPLETS, num_replicas=WORLD, rank=RANK, seed=0)
+        epochs = iter(range(100))
+
+        def triplet_plan() -> np.ndarray:
+            return sampler._rank_steps(next(epochs), 0, sampler.num_batches)
+
+        seconds, peak = measure(triplet_plan)
+        return {"seconds": seconds, "peak_bytes": peak, "indices": sampler.num_batches * sampler.batch_size}
+    if case == "neighbour_refresh":
+        from pksampler.samplers import class_neighbours
+
+        rng = np.random.default_rng(0)
+        classes = num_classes // 10  # 1e5 classes at the 1e6-class size
+        embeddings = rng.normal(size=(2 * classes, 128)).astype(np.float32)
+        refresh_labels = np.repeat(np.arange(classes), 2)
+        index = group_labels(refresh_labels)
+        seconds, peak = measure(lambda: class_neighbours(embeddings, refresh_labels, index, 10), repeats=1)
+        return {"seconds": seconds, "peak_bytes": peak, "classes": classes}
     if case == "balanced_init":
         seconds, peak = measure(lambda: group_labels(labels), repeats=1)
         return {"seconds": seconds, "peak_bytes": peak}
@@ -91,6 +113,7 @@ def run_case(case: str, num_samples: int, num_classes: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", nargs="+", default=["1e6:1e5", "1e7:1e6"], help="N:C pairs")
+    parser.add_argument("--neighbours", action="store_true", help="time the neighbour-table refresh at every size")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -113,6 +136,12 @@ def main() -> None:
         print(f"  plan time / permutation     {plan['seconds'] / perm['seconds']:8.3f}   (target <= 0.5)")
         print(f"  plan memory / DistSampler   {plan['peak_bytes'] / max(dist['peak_bytes'], 1):8.3f}   (target <= 0.25)")
         print(f"  stream rate                 {rate / 1e6:8.2f} M indices/s (target >= 5)")
+        triplet = run_case("triplet_plan", n, c)
+        print(f"  triplet plan (this rank, T={TRIPLETS}) {triplet['seconds']:8.3f} s  {triplet['peak_bytes'] / mib:8.1f} MiB"
+              f"  ({triplet['seconds'] / perm['seconds']:.3f} x permutation)")
+        if c >= 10**6 or args.neighbours:
+            refresh = run_case("neighbour_refresh", n, c)
+            print(f"  hard-negative table refresh, {refresh['classes']:.0e} classes x 128-d: {refresh['seconds']:.2f} s")
 
 
 if __name__ == "__main__":

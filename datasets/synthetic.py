@@ -46,7 +46,7 @@ def _class_traits(seed: int, cls: int) -> dict:
         "shape": SHAPES[int(rng.integers(len(SHAPES)))],
         "pattern": PATTERNS[int(rng.integers(len(PATTERNS)))],
         "glyph": GLYPHS[int(rng.integers(len(GLYPHS)))],
-        "body": _rgb(hue, rng.uniform(0.55, 1.0), rng.uniform(0.55, 1.0)),
+        "body": _rgb(hue, rng.uniform(0.6, 1.0), rng.uniform(0.7, 1.0)),
         "accent": _rgb(hue + rng.uniform(0.25, 0.75), rng.uniform(0.4, 1.0), rng.uniform(0.2, 1.0)),
         "aspect": float(rng.uniform(0.75, 1.3)),
         "stripe": int(rng.integers(3, 7)),
@@ -72,7 +72,7 @@ def _outline(shape: str, w: int, h: int) -> list[tuple[float, float]] | None:
     if shape == "hexagon":
         return regular(6, 0.0)
     if shape == "star":
-        return regular(5, inner=0.45)
+        return regular(5, inner=0.55)
     if shape == "diamond":
         return [(cx, cy - ry), (cx + rx * 0.7, cy), (cx, cy + ry), (cx - rx * 0.7, cy)]
     if shape == "cross":
@@ -152,9 +152,9 @@ def render_product(cls: int, view: int, *, image_size: int = 64, seed: int = 0) 
     canvas = Image.new("RGB", (canvas_size, canvas_size), background_colour)
     draw = ImageDraw.Draw(canvas)
     for _ in range(int(rng.integers(3, 9))):  # clutter: other shapes and lines
-        colour = _rgb(rng.random(), rng.uniform(0.2, 1.0), rng.uniform(0.2, 1.0))
+        colour = _rgb(rng.random(), rng.uniform(0.1, 0.7), rng.uniform(0.3, 1.0))
         x0, y0 = rng.uniform(0, canvas_size, 2)
-        size = rng.uniform(0.08, 0.3) * canvas_size
+        size = rng.uniform(0.06, 0.24) * canvas_size
         kind = int(rng.integers(3))
         if kind == 0:
             draw.ellipse([x0, y0, x0 + size, y0 + size * rng.uniform(0.5, 1.5)], fill=colour)
@@ -164,7 +164,7 @@ def render_product(cls: int, view: int, *, image_size: int = 64, seed: int = 0) 
             x1, y1 = rng.uniform(0, canvas_size, 2)
             draw.line([x0, y0, x1, y1], fill=colour, width=int(rng.integers(2, 6)))
 
-    scale = rng.uniform(0.45, 0.72) * canvas_size
+    scale = rng.uniform(0.5, 0.75) * canvas_size
     aspect = traits["aspect"] * rng.uniform(0.9, 1.1)
     width, height = int(scale * math.sqrt(aspect)), int(scale / math.sqrt(aspect))
     layer = _object_layer(traits, max(width, 8), max(height, 8))

@@ -70,9 +70,12 @@ def class_neighbours(embeddings: Any, labels: Any, index: ClassIndex, hard_class
     search = faiss.IndexFlatIP(centroids.shape[1])
     search.add(centroids)
     _, ids = search.search(centroids, k)
-    for row, own in enumerate(present_codes):  # drop the class itself, keep order
-        found = present_codes[ids[row][(ids[row] >= 0) & (ids[row] != row)]][:hard_classes]
-        table[own, : found.size] = found
+    # Drop each class itself (moved last by a stable sort), keep the nearest-first order.
+    drop = (ids == np.arange(ids.shape[0])[:, None]) | (ids < 0)
+    order = np.argsort(drop, axis=1, kind="stable")
+    ids = np.take_along_axis(ids, order, axis=1)[:, :hard_classes]
+    valid = ~np.take_along_axis(drop, order, axis=1)[:, :hard_classes]
+    table[present_codes, : ids.shape[1]] = np.where(valid, present_codes[np.maximum(ids, 0)], -1)
     return table
 
 

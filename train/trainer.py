@@ -91,6 +91,14 @@ def build_data(config: RunConfig) -> tuple[LabelledDataset, LabelledSubset, Labe
     return dataset, train_set, test_set
 
 
+def refresh_hard_negatives(sampler, model: torch.nn.Module, train_set: LabelledSubset, backend: Backend,
+                           image_size: int) -> None:
+    """Embed the training set (no augmentation) and update the sampler's class-neighbour table."""
+    plain = LabelledSubset(train_set.dataset, train_set.indices, transform=eval_preset(image_size))
+    embeddings = embed(model, plain, backend)
+    sampler.update_class_neighbours(embeddings, plain.labels, broadcast=backend.broadcast_object)
+
+
 def build_sampler(config: RunConfig, labels: np.ndarray, backend: Backend):
     args = dict(config.sampler.args)
     common = {"num_replicas": backend.size, "rank": backend.rank, "seed": config.seed}
@@ -280,7 +288,8 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
                 history["loss_steps"].append(global_step)
                 history["losses"].append(mean_loss)
                 log.write(type="step", epoch=epoch, step=consumed, global_step=global_step, loss=mean_loss,
-                          lr=scheduler.get_last_lr()[0], images_per_sec=rate)
+                          lr=scheduler.get_last_lr()[0], images_per_sec=rate, global_batch=global_batch,
+                          time=time.time())
                 if progress is not None:
                     progress.set_postfix(loss=f"{mean_loss:.4f}", img_s=f"{rate:.0f}")
                     progress.update(consumed - progress.n)
@@ -305,6 +314,8 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
                     if final_metrics["recall_at_1"] > best:
                         best = final_metrics["recall_at_1"]
                         checkpoint(epoch, consumed, end_of_epoch=True, name="best.pt")
+            if getattr(sampler, "negatives", None) == "hard" and not last_epoch:
+                refresh_hard_negatives(sampler, model, train_set, backend, config.data.image_size)
             checkpoint(epoch, consumed, end_of_epoch=True)
         if is_main:
             save_curves_png(workspace / "curves.png", history["loss_steps"], history["losses"],

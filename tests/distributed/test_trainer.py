@@ -123,6 +123,17 @@ def test_torchrun_backend_trains_the_same_model(tmp_path):
     assert max_difference(parameters(tmp_path / "hvd"), parameters(tmp_path / "torch")) < 1e-4
 
 
+def test_triplet_sampler_with_hard_negatives_trains_on_two_ranks(tmp_path):
+    config = write_config(tmp_path, "triplet", sampler={"name": "triplet", "args": {
+        "triplets_per_batch": 3, "negatives": "hard", "hard_classes": 3, "hard_fraction": 0.5}},
+        loss={"name": "triplet", "args": {"margin": 0.2}})
+    result = horovodrun(SCRIPT, "--config", str(config))
+    assert result.returncode == 0, result.stdout[-4000:]
+    state = torch.load(tmp_path / "triplet" / "checkpoints" / "last.pt", weights_only=False)
+    tables = state["sampler"]["neighbour_tables"]
+    assert tables and tables[-1][1].shape[1] == 3  # the table refreshed after epoch 1 is saved for resuming
+
+
 def test_bad_config_key_reported_once_by_rank_zero(tmp_path):
     config = write_config(tmp_path, "bad", train__epochz=3)
     result = horovodrun(SCRIPT, "--config", str(config))

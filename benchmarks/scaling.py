@@ -1,0 +1,54 @@
+"""Training throughput at -np 2 against -np 1 (one thread per rank).
+
+Run: .venv/bin/python benchmarks/scaling.py [--steps 40]
+
+Both runs use the demo model and data with the same per-rank batch, no
+DataLoader workers and one torch thread per rank, so -np 2 processes twice
+the images per step. Throughput is global images per second over the steps
+after the first quarter, from the time stamps in each run's metrics.jsonl. Target: >= 1.8x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HOROVODRUN = Path(sys.executable).parent / "horovodrun"
+
+
+def throughput(np_: int, steps: int, workdir: Path) -> float:
+    workspace = workdir / f"np{np_}"
+    command = [str(HOROVODRUN), "-np", str(np_), "-H", f"localhost:{np_}", sys.executable,
+               str(ROOT / "train" / "retrieval.py"), "--no-resume",
+               "--set", f"workspace={workspace}", "--set", f"train.max_steps={steps}",
+               "--set", "train.epochs=100", "--set", "train.checkpoint_every=0",
+               "--set", "train.threads=1", "--set", "data.workers=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
+    steps_seen = [r for r in records if r["type"] == "step"]
+    warm, last = steps_seen[len(steps_seen) // 4], steps_seen[-1]  # skip start-up and warm-up
+    images = (last["global_step"] - warm["global_step"]) * last["global_batch"]
+    return images / (last["time"] - warm["time"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        one = throughput(1, args.steps, Path(tmp))
+        two = throughput(2, args.steps, Path(tmp))
+    print(f"-np 1: {one:8.1f} images/s")
+    print(f"-np 2: {two:8.1f} images/s")
+    print(f"speed-up: {two / one:.2f}x (target >= 1.8x)")
+
+
+if __name__ == "__main__":
+    main()
