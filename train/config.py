@@ -82,8 +82,8 @@ class LossConfig:
     (alpha, beta, base, epsilon), ``contrastive`` (pos_margin, neg_margin) or
     ``triplet`` (margin) for the triplet sampler."""
 
-    name: str = "batch_hard"
-    args: Mapping[str, Any] = field(default_factory=lambda: {"margin": "soft"})
+    name: str = "multi_similarity"
+    args: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class OptimConfig:
     size at a fixed per-rank batch), after a linear warm-up, then cosine decay."""
 
     name: str = "adamw"
-    lr: float = 0.002
+    lr: float = 0.004
     base_batch: int = 64
     weight_decay: float = 0.0005
     momentum: float = 0.9
