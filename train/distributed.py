@@ -148,9 +148,11 @@ class TorchBackend(Backend):
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.requires_grad:
-            from torch.distributed.nn.functional import all_gather
+            from torch.distributed import _functional_collectives as functional
 
-            return torch.cat(all_gather(tensor), dim=0)
+            # autograd-aware: the backward pass reduce-scatters (sums) the gradients
+            gathered = functional.all_gather_tensor_autograd(tensor.contiguous(), 0, self.dist.group.WORLD)
+            return functional.wait_tensor(gathered) if hasattr(functional, "wait_tensor") else gathered
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.dist.all_gather(parts, tensor.contiguous())
         return torch.cat(parts, dim=0)
@@ -169,7 +171,7 @@ class TorchBackend(Backend):
     def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step):
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, broadcast_buffers=False)
+        wrapped = DistributedDataParallel(model)
         if fp16_allreduce:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 

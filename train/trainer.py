@@ -377,4 +377,9 @@ def evaluate(config: RunConfig, model: torch.nn.Module, dataset: LabelledDataset
 def main(config: RunConfig) -> TrainResult:
     """Initialise the backend chosen by ``config.distributed.backend`` and train."""
     backend = make_backend(config.distributed.backend)
-    return train(config, backend)
+    result = train(config, backend)
+    # Leave together: a rank that exits while another still uses the group
+    # (rank 0 writing the last checkpoint) would abort it.
+    backend.barrier()
+    backend.shutdown()
+    return result
