@@ -16,6 +16,12 @@ def rss_bytes() -> int:
         return int(handle.read().split()[1]) * _PAGE
 
 
+def _watch(done: threading.Event, peak: list[int]) -> None:
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_bytes())
+        time.sleep(0.0002)
+
+
 def measure(function: Callable[[], Any], repeats: int = 3) -> tuple[float, int]:
     """Best wall time over ``repeats`` runs and the peak RSS added by one run.
 
@@ -29,12 +35,7 @@ def measure(function: Callable[[], Any], repeats: int = 3) -> tuple[float, int]:
         peak = [baseline]
         done = threading.Event()
 
-        def watch() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], rss_bytes())
-                time.sleep(0.0002)
-
-        watcher = threading.Thread(target=watch, daemon=True)
+        watcher = threading.Thread(target=_watch, args=(done, peak), daemon=True)
         watcher.start()
         start = time.perf_counter()
         result = function()

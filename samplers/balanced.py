@@ -43,7 +43,7 @@ class _BalancedPlan(StepPlanSampler):
         super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         self._layout_cache: tuple[tuple[int, int], EpochLayout] | None = None
-        self.num_batches  # validates "enough classes" now rather than at the first epoch
+        _ = self.num_batches  # validates "enough classes" now rather than at the first epoch
 
     @property
     def classes_per_step(self) -> int:
