@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+import warnings
+
 import numpy as np
+from PIL import Image
 from torch.utils.data import Dataset
 
+from ._image import load_rgb, verify_image
 from .transforms import apply_transform, sample_rng
 
-__all__ = ["LabelledDataset", "LabelledSubset"]
+__all__ = ["ImageFileDataset", "LabelledDataset", "LabelledSubset"]
 
 
 class LabelledDataset(Dataset):
@@ -52,6 +56,24 @@ class LabelledDataset(Dataset):
     @property
     def num_classes(self) -> int:
         return len(self.classes)
+
+
+class ImageFileDataset(LabelledDataset):
+    """A labelled dataset of image files: ``paths[i]`` decoded by Pillow is sample i."""
+
+    paths: list[str]
+
+    def load(self, index: int) -> Image.Image:
+        return load_rgb(self.paths[index])
+
+    def _drop_unreadable(self, where: str) -> None:
+        """Decode every file and leave out those that fail, with a warning counting them."""
+        good = np.fromiter((verify_image(p) for p in self.paths), dtype=bool, count=len(self.paths))
+        if not good.all():
+            warnings.warn(f"{type(self).__name__}: skipped {int((~good).sum())} unreadable image file(s) {where}",
+                          stacklevel=3)
+            self.paths = [p for p, ok in zip(self.paths, good) if ok]
+            self.labels = self.labels[good]
 
 
 class LabelledSubset(LabelledDataset):

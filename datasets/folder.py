@@ -8,15 +8,14 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from PIL import Image
 
-from ._image import IMAGE_EXTENSIONS, load_rgb, verify_image
-from .base import LabelledDataset
+from ._image import IMAGE_EXTENSIONS
+from .base import ImageFileDataset
 
 __all__ = ["ImageFolderDataset"]
 
 
-class ImageFolderDataset(LabelledDataset):
+class ImageFolderDataset(ImageFileDataset):
     """Images under ``root/<class name>/...``; class codes follow sorted folder names.
 
     Scanning uses ``os.scandir`` only (no image is opened, no per-file stat
@@ -61,15 +60,7 @@ class ImageFolderDataset(LabelledDataset):
         self.labels = np.asarray(labels, dtype=np.int64)
         self.classes = class_dirs
         if skip_bad:
-            good = np.fromiter((verify_image(p) for p in self.paths), dtype=bool, count=len(self.paths))
-            if not good.all():
-                warnings.warn(f"ImageFolderDataset: skipped {int((~good).sum())} unreadable image file(s) under {self.root}",
-                              stacklevel=2)
-                self.paths = [p for p, ok in zip(self.paths, good) if ok]
-                self.labels = self.labels[good]
-
-    def load(self, index: int) -> Image.Image:
-        return load_rgb(self.paths[index])
+            self._drop_unreadable(f"under {self.root}")
 
 
 def _scan_images(folder: Path) -> list[str]:

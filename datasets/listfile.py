@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import csv
 import os
-import warnings
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from PIL import Image
 
-from ._image import load_rgb, verify_image
-from .base import LabelledDataset
+from .base import ImageFileDataset
 
 __all__ = ["ListFileDataset", "resolve_under"]
 
@@ -27,7 +24,7 @@ def resolve_under(root: Path, relative: str, *, where: str) -> Path:
     return resolved
 
 
-class ListFileDataset(LabelledDataset):
+class ListFileDataset(ImageFileDataset):
     """Images listed in a text file.
 
     Accepted layouts (detected from the first line):
@@ -67,15 +64,7 @@ class ListFileDataset(LabelledDataset):
         self.labels = codes.astype(np.int64).reshape(-1)
         self.classes = [str(c) for c in classes]
         if skip_bad:
-            good = np.fromiter((verify_image(p) for p in self.paths), dtype=bool, count=len(self.paths))
-            if not good.all():
-                warnings.warn(f"ListFileDataset: skipped {int((~good).sum())} unreadable image file(s) listed in "
-                              f"{self.list_file}", stacklevel=2)
-                self.paths = [p for p, ok in zip(self.paths, good) if ok]
-                self.labels = self.labels[good]
-
-    def load(self, index: int) -> Image.Image:
-        return load_rgb(self.paths[index])
+            self._drop_unreadable(f"listed in {self.list_file}")
 
 
 def _is_int(text: str) -> bool:

@@ -33,9 +33,7 @@ def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
         array = np.asarray(source)
     except (TypeError, ValueError) as error:
         raise TypeError(f"{owner}(labels=) could not be read as an array of labels: {error}") from None
-    if array.dtype == object and array.ndim == 1:
-        pass
-    elif array.ndim != 1:
+    if array.ndim != 1:
         raise ValueError(
             f"{owner}(labels=) must be 1-D (one label per sample), got an array of shape {array.shape}"
         )
@@ -47,8 +45,7 @@ def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
                 f"{owner}(labels=) has float labels that are not whole numbers; "
                 "pass integer or string class labels"
             )
-        array = array.astype(np.int64)
-    if array.dtype.kind == "b":
+    if array.dtype.kind in "fb":
         array = array.astype(np.int64)
     return array
 
@@ -104,6 +101,22 @@ class ClassIndex:
     @property
     def num_classes(self) -> int:
         return int(self.sizes.shape[0])
+
+    def codes_of(self, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Class codes of original ``labels`` values, and which of them this index knows.
+
+        Unknown labels get code 0 and ``False`` in the second array.
+        """
+        classes = self.classes
+        try:
+            if classes.size < 2 or bool(np.all(classes[:-1] < classes[1:])):
+                position = np.minimum(np.searchsorted(classes, labels), classes.size - 1)
+                return position, classes[position] == labels
+        except TypeError:  # unorderable labels: encoded by first appearance
+            pass
+        lookup = {value: code for code, value in enumerate(classes.tolist())}
+        codes = np.array([lookup.get(value, -1) for value in np.asarray(labels).tolist()], dtype=np.int64)
+        return np.maximum(codes, 0), codes >= 0
 
 
 def group_labels(labels: Any, *, owner: str = "group_labels") -> ClassIndex:

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
 from ._validate import check_int
 
-__all__ = ["world_info", "resolve_world"]
+__all__ = ["initialised_horovod", "initialised_torch_distributed", "resolve_world", "world_info"]
 
 _ENV_PAIRS = (
     ("HOROVOD_RANK", "HOROVOD_SIZE"),
@@ -21,30 +22,36 @@ _ENV_PAIRS = (
 )
 
 
-def _from_horovod() -> tuple[int, int] | None:
-    # Only consult Horovod if the program already imported it: the samplers
-    # never import a distributed runtime themselves.
+def initialised_horovod() -> Any | None:
+    """``horovod.torch`` if the program imported and initialised it, else None.
+
+    The samplers never import a distributed runtime themselves; they only use
+    one the program has already started.
+    """
     hvd = sys.modules.get("horovod.torch")
-    if hvd is None:
-        return None
     try:
-        if hvd.is_initialized():
-            return int(hvd.rank()), int(hvd.size())
+        return hvd if hvd is not None and hvd.is_initialized() else None
     except (AttributeError, ValueError, RuntimeError):
         return None
-    return None
+
+
+def initialised_torch_distributed() -> Any | None:
+    """``torch.distributed`` if a process group is initialised, else None."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _from_horovod() -> tuple[int, int] | None:
+    hvd = initialised_horovod()
+    return None if hvd is None else (int(hvd.rank()), int(hvd.size()))
 
 
 def _from_torch_distributed() -> tuple[int, int] | None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
-        return None
-    try:
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank()), int(dist.get_world_size())
-    except (AttributeError, RuntimeError, ValueError):
-        return None
-    return None
+    dist = initialised_torch_distributed()
+    return None if dist is None else (int(dist.get_rank()), int(dist.get_world_size()))
 
 
 def _from_environment() -> tuple[int, int] | None:

@@ -10,10 +10,12 @@ and raises the same error on every rank.
 from __future__ import annotations
 
 import hashlib
-import sys
 from typing import Any, Callable
 
 import numpy as np
+import torch
+
+from ._world import initialised_horovod, initialised_torch_distributed
 
 __all__ = ["SamplerMismatchError", "check_consistent", "sampler_fingerprint"]
 
@@ -51,14 +53,11 @@ def sampler_fingerprint(sampler: Any) -> np.ndarray:
 
 
 def _default_allgather() -> Allgather:
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
-        import torch
-
+    hvd = initialised_horovod()
+    if hvd is not None:
         return lambda row: hvd.allgather(torch.from_numpy(row[None, :])).numpy()
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        import torch
+    dist = initialised_torch_distributed()
+    if dist is not None:
 
         def gather(row: np.ndarray) -> np.ndarray:
             parts = [torch.zeros(row.shape[0], dtype=torch.int64) for _ in range(dist.get_world_size())]

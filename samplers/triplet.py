@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import sys
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -13,7 +12,7 @@ from torch.utils.data import Sampler
 from ._base import StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
-from ._world import resolve_world
+from ._world import initialised_horovod, initialised_torch_distributed, resolve_world
 from .triplet_plan import anchor_index, count_triplet_steps, triplet_batches
 
 __all__ = ["DistributedTripletBatchSampler", "DistributedTripletSampler", "class_neighbours"]
@@ -50,7 +49,7 @@ def class_neighbours(embeddings: Any, labels: Any, index: ClassIndex, hard_class
     labels = np.asarray(labels)
     if labels.shape != (x.shape[0],):
         raise ValueError(f"update_class_neighbours(labels=) must have shape ({x.shape[0]},), got {labels.shape}")
-    codes, known = _class_codes(index, labels)
+    codes, known = index.codes_of(labels)
     if not known.all():
         unknown = labels[~known][:3].tolist()
         raise ValueError(
@@ -79,27 +78,13 @@ def class_neighbours(embeddings: Any, labels: Any, index: ClassIndex, hard_class
     return table
 
 
-def _class_codes(index: ClassIndex, labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Class codes of ``labels`` in the sampler's index, and which labels it knows."""
-    classes = index.classes
-    try:
-        if classes.size < 2 or bool(np.all(classes[:-1] < classes[1:])):
-            position = np.minimum(np.searchsorted(classes, labels), classes.size - 1)
-            return position, classes[position] == labels
-    except TypeError:
-        pass
-    lookup = {value: code for code, value in enumerate(classes.tolist())}
-    codes = np.array([lookup.get(value, -1) for value in labels.tolist()], dtype=np.int64)
-    return np.maximum(codes, 0), codes >= 0
-
-
 def _default_broadcast() -> Callable[[Any], Any]:
-    hvd = sys.modules.get("horovod.torch")
-    if hvd is not None and hvd.is_initialized():
+    hvd = initialised_horovod()
+    if hvd is not None:
         # explicit name: the default (the type name) differs between sender and receivers
         return lambda value: hvd.broadcast_object(value, root_rank=0, name="pksampler.class_neighbours")
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+    dist = initialised_torch_distributed()
+    if dist is not None:
         def broadcast(value: Any) -> Any:
             holder = [value]
             dist.broadcast_object_list(holder, src=0)

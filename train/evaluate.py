@@ -113,10 +113,7 @@ def knn_search(
     if metric == "cosine":
         query, gallery = _normalise(query), _normalise(gallery)
     index = _build_index(gallery, metric) if index is None else index
-    rows = np.arange(query.shape[0])
-    fetch = min(k + int(exclude_self) + _TIE_MARGIN, gallery.shape[0])
-    scores, ids = index.search(query, fetch)
-    return _finish(query, gallery, rows, scores, ids, k, metric, rows if exclude_self else None)
+    return _search_chunk(query, gallery, np.arange(query.shape[0]), k, metric, exclude_self, index)
 
 
 def retrieval_metrics(
@@ -210,6 +207,7 @@ def retrieval_metrics(
 
 
 def _search_chunk(query, gallery, rows, k, metric, self_gallery, index):
+    """The k nearest gallery items of ``query[rows]``, a few extra fetched to see ties at the cut."""
     fetch = min(k + int(self_gallery) + _TIE_MARGIN, gallery.shape[0])
     scores, ids = index.search(query[rows], fetch)
     return _finish(query, gallery, rows, scores, ids, k, metric, rows if self_gallery else None)

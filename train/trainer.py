@@ -237,6 +237,10 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
     crash = os.environ.get(CRASH_ENV)
     crash_rank, crash_step = (int(v) for v in crash.split(":")) if crash else (-1, -1)
     passes = config.train.backward_passes_per_step
+    # Gathered embeddings give every rank the global batch and loss; otherwise
+    # the logged loss is averaged across ranks.
+    gather = config.train.gather_embeddings and backend.size > 1
+    reduce_loss = backend.size > 1 and not gather
     final_metrics: dict[str, float] = {}
 
     def checkpoint(epoch: int, consumed: int, end_of_epoch: bool, name: str = "last.pt") -> None:
@@ -274,15 +278,15 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
             sampler_state = None
             loader = DataLoader(train_set, batch_sampler=sampler, num_workers=config.data.workers,
                                 persistent_workers=False)
-            consumed, started = 0, time.perf_counter()
-            progress = _progress(is_main, len(sampler), epoch, config.train.epochs)
+            consumed, started, batches = 0, time.perf_counter(), len(sampler)
+            progress = _progress(is_main, batches, epoch, config.train.epochs)
             for images, labels in loader:
                 train_model.train()
-                last_of_window = (consumed + 1) % passes == 0 or consumed + 1 == len(sampler)
+                last_of_window = (consumed + 1) % passes == 0 or consumed + 1 == batches
                 context = contextlib.nullcontext() if last_of_window else backend.accumulating(train_model)
                 with context:
                     embeddings = train_model(images)
-                    if config.train.gather_embeddings and backend.size > 1:
+                    if gather:
                         all_embeddings, all_labels = gather_batch(backend, embeddings, labels)
                         scale = backend.gathered_loss_scale
                     else:
@@ -296,9 +300,7 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
                 optimizer.zero_grad()
                 scheduler.step()
                 global_step += 1
-                # With gathered embeddings every rank already holds the global loss.
-                gathered = config.train.gather_embeddings or backend.size == 1
-                mean_loss = float(loss.detach() if gathered else backend.allreduce_mean(loss.detach().reshape(1))[0])
+                mean_loss = float(backend.allreduce_mean(loss.detach().reshape(1))[0] if reduce_loss else loss.detach())
                 rate = consumed * global_batch / max(time.perf_counter() - started, 1e-9)
                 history["loss_steps"].append(global_step)
                 history["losses"].append(mean_loss)
@@ -313,7 +315,7 @@ def train(config: RunConfig, backend: Backend) -> TrainResult:
                     os._exit(3)
                 at_limit = config.train.max_steps is not None and global_step >= config.train.max_steps
                 if at_limit or (config.train.checkpoint_every and global_step % config.train.checkpoint_every == 0):
-                    checkpoint(epoch, consumed, end_of_epoch=consumed == len(sampler))
+                    checkpoint(epoch, consumed, end_of_epoch=consumed == batches)
                 if at_limit:
                     if progress is not None:
                         progress.close()
