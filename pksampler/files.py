@@ -1,0 +1,69 @@
+"""Files written atomically: a temporary file in the same folder, fsync, rename.
+
+Every file the project writes (checkpoints, PNGs, metrics snapshots, packed
+shards' indexes, synthetic images) goes through :func:`atomic_write_bytes` or
+:func:`atomic_writer`, so a crash or a kill while writing leaves the previous
+file intact and a reader never sees a half-written one. The temporary files
+are named ``.<name>.<random>.tmp``; :func:`remove_stale_temporaries` deletes
+the ones a killed process left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "remove_stale_temporaries"]
+
+_SUFFIX = ".tmp"
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """Open a binary stream whose contents replace ``path`` only when the block ends without error."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_SUFFIX, dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as stream:
+            yield stream
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    with atomic_writer(path) as stream:
+        stream.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write UTF-8 ``text`` to ``path`` atomically; returns the path."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def remove_stale_temporaries(folder: str | os.PathLike, name: str | None = None) -> list[Path]:
+    """Delete temporary files that :func:`atomic_writer` left in ``folder`` when its process was killed.
+
+    Only files of this module's pattern (``.<name>.*.tmp``) are touched; with
+    ``name`` only those for that target file. Call it at start-up, before any
+    writer of this process runs. Returns the removed paths.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    pattern = f".{name}.*{_SUFFIX}" if name else f".*{_SUFFIX}"
+    removed = []
+    for candidate in folder.glob(pattern):
+        if candidate.is_file():
+            candidate.unlink(missing_ok=True)
+            removed.append(candidate)
+    return removed
