@@ -92,6 +92,11 @@ _LOSSES: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+def loss_names() -> tuple[str, ...]:
+    """The built-in loss names (the values of ``loss.name`` besides ``pml.<Name>``)."""
+    return tuple(_LOSSES)
+
+
 def build_loss(name: str, args: Mapping[str, Any]) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """``loss(embeddings, labels)`` for a LossConfig; unknown arguments are an error."""
     import inspect

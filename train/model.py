@@ -13,6 +13,10 @@ __all__ = ["EmbeddingNet", "build_model"]
 NormFactory = Callable[[int], nn.Module]
 
 
+#: the values of ``model.norm``
+NORMS = ("group", "batch", "sync_batch", "none")
+
+
 def norm_factory(kind: str, sync_batch_norm: type[nn.Module] | None = None) -> NormFactory:
     """A constructor for the chosen normalisation layer.
 
