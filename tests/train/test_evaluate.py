@@ -7,7 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pksampler.train.evaluate import _normalise, knn_search, retrieval_metrics, save_gallery_png
+from pksampler.train.evaluate import knn_search, retrieval_metrics, save_gallery_png
+from pksampler.train.metrics import _normalise
 
 
 def reference_metrics(query, query_labels, gallery=None, gallery_labels=None, ks=(1, 5, 10), metric="cosine"):
@@ -123,7 +124,7 @@ def test_torch_input_and_knn_search():
     ("kwargs", "error", "match"),
     [
         ({"query": np.full((3, 2), np.nan)}, ValueError, r"query=\) contains NaN or Inf \(first in row 0\)"),
-        ({"query": np.zeros(3)}, ValueError, r"query=\) must be a non-empty 2-D"),
+        ({"query": np.zeros(3)}, ValueError, r"query=\) must be 2-D, got shape \(3,\)"),
         ({"query_labels": [0, 1]}, ValueError, r"query_labels=\) must be 1-D with one label per row of query \(3\)"),
         ({"metric": "hamming"}, ValueError, r"metric=\) must be one of \['cosine', 'l2', 'ip'\], got 'hamming'"),
         ({"ks": (0,)}, ValueError, r"ks=\) must be positive ints"),
