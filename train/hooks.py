@@ -74,7 +74,7 @@ class ProgressHook(HookBase):
         self.progress = progress
 
     def before_epoch(self) -> None:
-        self.progress.start_epoch(self.trainer.state.epoch, start_step=self.trainer.state.consumed)
+        self.progress.start_epoch(self.trainer.state.epoch, step=self.trainer.state.consumed)
 
     def after_step(self) -> None:
         state = self.trainer.state

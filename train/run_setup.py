@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from pksampler.files import atomic_write_text
@@ -39,7 +40,7 @@ from .hooks import (
 )
 from .losses import build_loss
 from .model import build_model
-from .plots import save_training_curves
+from .plots import save_curves_png
 from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
@@ -163,12 +164,17 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
         progress = Progress(parts.sampler.num_batches, config.train.epochs,
                             every_seconds=config.train.progress_every_seconds)
         hooks = [MetricsLogHook(log), ProgressHook(progress), *hooks,
-                 FinalArtifactsHook(workspace, save_training_curves, epochs=config.train.epochs)]
+                 FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs)]
     if getattr(parts.sampler, "negatives", None) == "hard":
         hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
                                       epochs=config.train.epochs))
     hooks.append(CheckpointHook(save, every=config.train.checkpoint_every, max_steps=config.train.max_steps))
     return hooks
+
+
+def _save_curves(path: Path, history: dict[str, list]) -> None:
+    save_curves_png(path, history["loss_steps"], history["losses"], history["eval_epochs"], history["recalls"],
+                    history.get("map_at_r"))
 
 
 def _refresh_hard_negatives(parts: StepParts, data: DataParts, image_size: int) -> None:
@@ -224,8 +230,8 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
     lr = parts.optimizer.param_groups[0].get("initial_lr", parts.optimizer.param_groups[0]["lr"])
     setup = backend.setup
     print(f"[pksampler] backend={backend.name} world={backend.size} device={setup.device} precision={setup.precision} "
-          f"train={len(data.train)} images ({data.train.num_classes_present} classes) test={len(data.test)} images "
-          f"({data.test.num_classes_present} classes) batch/rank={parts.sampler.batch_size} "
+          f"train={len(data.train)} images ({np.unique(data.train.labels).size} classes) test={len(data.test)} images "
+          f"({np.unique(data.test.labels).size} classes) batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} steps/epoch={parts.sampler.num_batches}"
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
     if state.epoch >= config.train.epochs:

@@ -181,7 +181,7 @@ class Trainer:
             with backend.skip_synchronize(parts.optimizer):
                 parts.scaler.step(parts.optimizer)
             parts.scaler.update()
-        parts.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad()
         parts.scheduler.step()
         state.global_step += 1
         # Gathered embeddings give every rank the same loss; otherwise average it.
