@@ -30,6 +30,7 @@ __all__ = [
     "HookBase",
     "MetricsLogHook",
     "ProgressHook",
+    "TensorBoardHook",
 ]
 
 
@@ -132,6 +133,33 @@ class EvaluationHook(HookBase):
         if metrics["recall_at_1"] > state.best:
             state.best = metrics["recall_at_1"]
             self.save("best.pt")
+
+
+class TensorBoardHook(HookBase):
+    """Loss, lr and images/s per step; every metric and the result gallery per evaluation (rank 0)."""
+
+    def __init__(self, writer: Any, last_gallery: Callable[[], Path | None]) -> None:
+        self.writer, self.last_gallery = writer, last_gallery
+        self._logged_epoch = -1
+
+    def after_step(self) -> None:
+        state = self.trainer.state
+        self.writer.scalars(state.global_step, loss=state.loss, lr=state.lr, images_per_sec=state.images_per_sec)
+
+    def after_epoch(self) -> None:
+        state = self.trainer.state
+        evaluated = state.history["eval_epochs"]
+        if not evaluated or evaluated[-1] != state.epoch or self._logged_epoch == state.epoch:
+            return
+        self._logged_epoch = state.epoch
+        self.writer.metrics(state.global_step, state.final_metrics, epoch=state.epoch)
+        gallery = self.last_gallery()
+        if gallery is not None:
+            self.writer.image("eval/gallery", state.global_step, gallery)
+        self.writer.flush()
+
+    def after_train(self) -> None:
+        self.writer.close()
 
 
 class HardNegativeHook(HookBase):

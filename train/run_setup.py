@@ -37,6 +37,7 @@ from .hooks import (
     HookBase,
     MetricsLogHook,
     ProgressHook,
+    TensorBoardHook,
 )
 from .losses import build_loss
 from .model import build_model
@@ -44,6 +45,7 @@ from .plots import save_curves_png
 from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
+from .tensorboard import TensorBoardWriter
 from .trainer import StepParts, Trainer, TrainState
 from .workspace import EventLog, WorkspaceLock, prepare_workspace
 
@@ -165,11 +167,20 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
                             every_seconds=config.train.progress_every_seconds)
         hooks = [MetricsLogHook(log), ProgressHook(progress), *hooks,
                  FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs)]
+        if _tensorboard_wanted(config.train.tensorboard):
+            hooks.append(TensorBoardHook(TensorBoardWriter(workspace), lambda: evaluator.last_gallery))
     if getattr(parts.sampler, "negatives", None) == "hard":
         hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
                                       epochs=config.train.epochs))
     hooks.append(CheckpointHook(save, every=config.train.checkpoint_every, max_steps=config.train.max_steps))
     return hooks
+
+
+def _tensorboard_wanted(setting: bool | None) -> bool:
+    """``train.tensorboard``: true, false, or null = on when the tensorboard package is installed."""
+    from . import tensorboard
+
+    return tensorboard.available() if setting is None else setting
 
 
 def _save_curves(path: Path, history: dict[str, list]) -> None:

@@ -47,13 +47,21 @@ def test_train_runs_in_process_with_the_plain_backend(tmp_path):
 
 
 def test_a_full_run_evaluates_and_writes_its_artifacts(tmp_path):
-    result = train(tiny(tmp_path), Backend())
+    result = train(tiny(tmp_path, "train.tensorboard=true"), Backend())
     workspace = tmp_path / "run"
     assert result.epochs_done == 2 and 0.0 <= result.final_metrics["recall_at_1"] <= 1.0
     assert sorted(p.name for p in (workspace / "galleries").iterdir()) == ["epoch_001.png", "epoch_002.png"]
     assert (workspace / "curves.png").stat().st_size > 10_000
     assert json.loads((workspace / "final_metrics.json").read_text())["recall_at_1"] == result.final_metrics["recall_at_1"]
     assert load_checkpoint(workspace / "checkpoints" / "best.pt")["state"]["best"] >= 0.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(workspace / "tensorboard"), size_guidance={"images": 0, "scalars": 0}).Reload()
+    assert {"train/loss", "train/lr", "train/images_per_sec", "eval/recall_at_1", "eval/map_at_r"} <= set(
+        events.Tags()["scalars"])
+    assert len(events.Scalars("train/loss")) == result.global_step
+    assert events.Scalars("eval/recall_at_1")[-1].value == pytest.approx(result.final_metrics["recall_at_1"])
+    assert len(events.Images("eval/gallery")) == 2
 
 
 def test_default_config_gives_identical_global_batches_at_every_power_of_two_world_size():
