@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
@@ -153,12 +153,14 @@ def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, r
         raise ConfigError(f"sampler: {error}") from None
 
 
-def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int) -> torch.optim.Optimizer:
+def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int,
+                    extra_parameters: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
     """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch."""
     lr = optim.lr * global_batch / optim.base_batch
+    parameters = [*model.parameters(), *extra_parameters]
     if optim.name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=optim.weight_decay)
+        return torch.optim.SGD(parameters, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=optim.weight_decay)
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,

@@ -40,6 +40,7 @@ from .hooks import (
     TensorBoardHook,
 )
 from .losses import build_loss
+from .memory import build_memory
 from .model import build_model
 from .plots import save_curves_png
 from .progress import Progress
@@ -88,17 +89,20 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
     global_batch = sampler.batch_size * backend.size
     norm_class = backend.sync_batch_norm() if config.model.norm == "sync_batch" else None
     model = backend.setup.prepare_model(build_model(config.model, norm_class))
-    optimizer = build_optimizer(config.optim, model, global_batch)
+    try:
+        memory = build_memory(config.loss.memory, device=backend.device)
+        loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
+    except (ValueError, TypeError, ImportError) as error:
+        raise ConfigError(str(error)) from None
+    loss_fn.to(backend.device)
+    # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
+    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters())
     # Wrap before loading any state: Horovod's DistributedOptimizer is a new
     # optimizer built from the param groups and does not carry state over.
     train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
                                           backward_passes_per_step=config.train.backward_passes_per_step)
     passes = config.train.backward_passes_per_step
     total_steps = config.train.epochs * -(-sampler.num_batches // passes)
-    try:
-        loss_fn = build_loss(config.loss.name, config.loss.args)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     return StepParts(
         backend=backend, model=model, train_model=train_model, optimizer=optimizer,
         scheduler=build_schedule(optimizer, config.optim.warmup_steps, total_steps), loss_fn=loss_fn,
@@ -117,6 +121,7 @@ def _checkpoint_state(trainer: Trainer, config: RunConfig) -> dict[str, Any]:
         "optimizer": parts.optimizer.state_dict(),
         "scheduler": parts.scheduler.state_dict(),
         "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+        "loss": parts.loss_fn.state_dict(),
         "state": saved,
         "sampler": trainer.sampler_position(),
         "world_size": parts.backend.size,
@@ -146,6 +151,7 @@ def _restore(trainer: Trainer, saved: dict[str, Any]) -> None:
     parts.model.load_state_dict(saved["model"])
     parts.optimizer.load_state_dict(saved["optimizer"])
     parts.scheduler.load_state_dict(saved["scheduler"])
+    parts.loss_fn.load_state_dict(saved["loss"])
     if parts.scaler is not None and saved.get("scaler"):
         parts.scaler.load_state_dict(saved["scaler"])
     trainer.state = TrainState(**saved["state"])

@@ -214,8 +214,10 @@ def _validate_combinations(config: RunConfig) -> None:
                 "and each rank takes G / world_size classes"
             )
     if loss.memory is not None:
-        unknown = sorted(set(loss.memory) - {"size", "warmup_steps"})
+        unknown = sorted(set(loss.memory) - {"size", "size_items", "warmup_steps"})
         if unknown:
-            raise ConfigError(f"loss.memory.{unknown[0]}: unknown key (known: ['size', 'warmup_steps'])")
-        rules.positive_int("loss.memory.size", loss.memory.get("size"))
+            raise ConfigError(f"loss.memory.{unknown[0]}: unknown key (known: ['size', 'size_items', 'warmup_steps'])")
+        for key in ("size", "size_items"):
+            if key in loss.memory:
+                rules.positive_int(f"loss.memory.{key}", loss.memory[key])
         rules.int_at_least(0)("loss.memory.warmup_steps", loss.memory.get("warmup_steps", 0))

@@ -210,3 +210,20 @@ def test_the_default_command_at_sixteen_ranks(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:]
     assert "world=16" in result.stdout and "batch/rank=4 global=64" in result.stdout
     assert (tmp_path / "np16" / "curves.png").is_file() and (tmp_path / "np16" / "galleries" / "epoch_001.png").is_file()
+
+
+def test_cross_batch_memory_is_the_same_at_one_and_two_ranks(tmp_path):
+    # Gathered embeddings: the memory holds the global batches, whatever the world size.
+    config = write_config(tmp_path, "run", train__max_steps=10, train__epochs=20, train__checkpoint_every=0,
+                          loss={"name": "multi_similarity", "args": {}, "memory": {"size": 3, "warmup_steps": 2}},
+                          optim=EQUIVALENCE["optim"])
+    for np_, name in ((2, "two"), (1, "one")):
+        result = launch("horovodrun", SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / name}", np=np_)
+        assert result.returncode == 0, result.stdout[-4000:]
+    two, one = (checkpoint(tmp_path / name) for name in ("two", "one"))
+    assert two["loss"]["memory"]["steps"] == one["loss"]["memory"]["steps"] == 10
+    assert max_difference({k: v for k, v in two["loss"]["memory"].items() if isinstance(v, torch.Tensor)},
+                          {k: v for k, v in one["loss"]["memory"].items() if isinstance(v, torch.Tensor)}) < 1e-4
+    losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+               if '"step"' in line] for name in ("two", "one")]
+    assert len(losses[0]) == 10 and max(abs(a - b) for a, b in zip(*losses)) < 1e-4

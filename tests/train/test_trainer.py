@@ -156,3 +156,29 @@ def test_an_unwritable_workspace_is_one_config_error(tmp_path):
     blocker.write_text("not a folder")
     with pytest.raises(ConfigError, match=rf"workspace: {blocker}/ws is not a writable folder"):
         train(tiny(tmp_path, f"workspace={blocker}/ws"), Backend())
+
+
+def test_a_pytorch_metric_learning_loss_and_miner_train_through_the_trainer(tmp_path):
+    result = train(tiny(tmp_path, "loss.name=pml.TripletMarginLoss", "loss.args={margin: 0.1}",
+                        "loss.miner={name: pml.MultiSimilarityMiner, args: {epsilon: 0.1}}",
+                        "train.max_steps=6"), Backend())
+    assert result.global_step == 6
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+
+
+def test_cross_batch_memory_is_saved_and_restored_on_resume(tmp_path):
+    memory = ["loss.memory={size: 3, warmup_steps: 2}", "optim.name=sgd", "train.checkpoint_every=0"]
+    train(tiny(tmp_path, *memory, "train.max_steps=8", name="whole"), Backend())
+    train(tiny(tmp_path, *memory, "train.max_steps=5", name="parts"), Backend())
+    saved = load_checkpoint(tmp_path / "parts" / "checkpoints" / "last.pt")["loss"]["memory"]
+    assert saved["steps"] == 5
+    train(tiny(tmp_path, *memory, "train.max_steps=8", name="parts"), Backend())
+    whole = load_checkpoint(tmp_path / "whole" / "checkpoints" / "last.pt")
+    parts = load_checkpoint(tmp_path / "parts" / "checkpoints" / "last.pt")
+    for key, value in whole["loss"]["memory"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, parts["loss"]["memory"][key]), key
+        else:
+            assert value == parts["loss"]["memory"][key], key
+    assert all(torch.equal(whole["model"][k], parts["model"][k]) for k in whole["model"])
