@@ -46,6 +46,19 @@ def launch(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: 
     return subprocess.CompletedProcess(command, process.returncode, output, "")
 
 
+def rank_tracebacks(output: str) -> int:
+    """Python tracebacks printed by the ranks, not counting the launcher's own report of a failed job.
+
+    horovodrun ends a failed job with a RuntimeError traceback from the
+    launcher and torchrun with a ChildFailedError one; both are the
+    launcher's, printed once, whatever the ranks did.
+    """
+    total = output.count("Traceback (most recent call last)")
+    launcher = output.count("horovod/runner/launch.py") > 0
+    launcher += output.count("ChildFailedError") > 0
+    return total - int(launcher)
+
+
 def horovodrun(script: str | Path, *args: str, np: int = 2, timeout: float = 300.0,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return launch("horovodrun", script, *args, np=np, timeout=timeout, env=env)

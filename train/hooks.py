@@ -10,6 +10,7 @@ built; they read the loop's progress from ``trainer.state``.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -65,7 +66,7 @@ class MetricsLogHook(HookBase):
         state = self.trainer.state
         self.log.write(type="step", epoch=state.epoch, step=state.consumed, global_step=state.global_step,
                        loss=state.loss, lr=state.lr, images_per_sec=state.images_per_sec,
-                       global_batch=self.trainer.global_batch)
+                       global_batch=self.trainer.global_batch, time=time.time())
 
 
 class ProgressHook(HookBase):

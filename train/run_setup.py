@@ -48,7 +48,7 @@ from .rules import ConfigError
 from .schema import RunConfig
 from .tensorboard import TensorBoardWriter
 from .trainer import StepParts, Trainer, TrainState
-from .workspace import EventLog, WorkspaceLock, prepare_workspace
+from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
 __all__ = ["Run", "assemble"]
 
@@ -228,12 +228,16 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     if saved is not None:
         log.truncate_after(trainer.state.global_step)
     if is_main:
-        atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
+        with writing(workspace / "config.json"):
+            atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
     def save(name: str) -> None:
-        if is_main:
-            save_checkpoint(workspace / "checkpoints" / name, _checkpoint_state(trainer, config))
+        if not is_main:
+            return
+        path = workspace / "checkpoints" / name
+        with writing(path, "; the previous checkpoint is intact"):
+            save_checkpoint(path, _checkpoint_state(trainer, config))
 
     trainer.hooks = []
     for hook in [*_hooks(config, trainer, data, log, save), *extra_hooks]:

@@ -12,20 +12,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from pksampler.files import atomic_write_text, remove_stale_temporaries
 
 from .rules import ConfigError
 
-__all__ = ["EventLog", "WorkspaceLock", "prepare_workspace"]
+__all__ = ["EventLog", "WorkspaceLock", "prepare_workspace", "writing"]
 
 SUBFOLDERS = ("checkpoints", "galleries")
+
+
+@contextlib.contextmanager
+def writing(path: Path, what: str = "") -> Iterator[None]:
+    """Turn a failed write (a full disk, a quota, a folder removed under the job) into one clear ConfigError."""
+    try:
+        yield
+    except OSError as error:
+        raise ConfigError(f"workspace: cannot write {path} ({error.strerror or error}){what}: free space or "
+                          "choose another WORKSPACE, then resume") from None
 
 
 class WorkspaceLock:
@@ -102,7 +113,8 @@ class EventLog:
             if int(record.get("global_step", 0)) <= global_step:
                 kept.append(line)
         self.handle.close()
-        atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
+        with writing(self.path):
+            atomic_write_text(self.path, "".join(f"{line}\n" for line in kept))
         self.handle = open(self.path, "a", encoding="utf-8")
 
     def close(self) -> None:

@@ -182,3 +182,30 @@ def test_cross_batch_memory_is_saved_and_restored_on_resume(tmp_path):
         else:
             assert value == parts["loss"]["memory"][key], key
     assert all(torch.equal(whole["model"][k], parts["model"][k]) for k in whole["model"])
+
+
+def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch):
+    import pksampler.files as files
+
+    real = files.os.fsync
+
+    def full_disk(descriptor):
+        raise OSError(28, "No space left on device")
+
+    train(tiny(tmp_path, "train.max_steps=2"), Backend())
+    monkeypatch.setattr(files.os, "fsync", full_disk)
+    with pytest.raises(ConfigError, match=r"workspace: cannot write .*metrics.jsonl \(No space left on device\)"):
+        train(tiny(tmp_path, "train.max_steps=4"), Backend())
+    monkeypatch.setattr(files.os, "fsync", real)
+
+    class FillTheDisk(HookBase):
+        def after_step(self):
+            if self.trainer.state.global_step == 3:
+                monkeypatch.setattr(files.os, "fsync", full_disk)
+
+    with pytest.raises(ConfigError, match=r"workspace: cannot write .*last.pt \(No space left on device\); the "
+                                          r"previous checkpoint is intact"):
+        train(tiny(tmp_path, "train.max_steps=4"), Backend(), extra_hooks=[FillTheDisk()])
+    monkeypatch.setattr(files.os, "fsync", real)
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["state"]["global_step"] == 2
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*.tmp"))
