@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .trainer import Trainer
 
 __all__ = [
+    "BadImageHook",
     "CheckpointHook",
     "EvaluationHook",
     "FinalArtifactsHook",
@@ -161,6 +162,38 @@ class TensorBoardHook(HookBase):
 
     def after_train(self) -> None:
         self.writer.close()
+
+
+class BadImageHook(HookBase):
+    """After each epoch: bad images replaced on all ranks, logged; the run stops past ``max_fraction``.
+
+    Each rank's dataset counts the images it could not decode (replaced by
+    another member of the class, so batches keep their shape) and the images
+    it loaded; the counts are summed over ranks, so every rank takes the same
+    decision.
+    """
+
+    def __init__(self, dataset: Any, backend: Any, *, max_fraction: float, log: EventLog, is_main: bool) -> None:
+        self.dataset, self.backend, self.max_fraction = dataset, backend, max_fraction
+        self.log, self.is_main = log, is_main
+
+    def after_epoch(self) -> None:
+        local = np.array(self.dataset.bad_image_counts(), dtype=np.int64)
+        bad, total = (int(v) for v in self.backend.allgather_numpy(local).sum(axis=0))
+        if not bad:
+            return
+        epoch = self.trainer.state.epoch
+        if self.is_main:
+            self.log.write(type="bad_images", epoch=epoch, global_step=self.trainer.state.global_step, bad=bad,
+                           total=total)
+            print(f"[pksampler] epoch {epoch}: {bad} of {total} images could not be decoded and were replaced by "
+                  "other images of their class (paths above)", flush=True)
+        if bad > self.max_fraction * max(total, 1):
+            from .rules import ConfigError
+
+            raise ConfigError(f"data.max_bad_fraction: {bad} of {total} images ({bad / total:.2%}) could not be "
+                              f"decoded in epoch {epoch}, more than the allowed {self.max_fraction:.2%}: the data "
+                              "looks broken (paths above); fix it or raise data.max_bad_fraction")
 
 
 class HardNegativeHook(HookBase):

@@ -30,6 +30,7 @@ from .checkpoint import load_checkpoint, save_checkpoint, to_numpy
 from .distributed import Backend
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
+    BadImageHook,
     CheckpointHook,
     EvaluationHook,
     FinalArtifactsHook,
@@ -175,6 +176,9 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
                  FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs)]
         if _tensorboard_wanted(config.train.tensorboard):
             hooks.append(TensorBoardHook(TensorBoardWriter(workspace), lambda: evaluator.last_gallery))
+    if hasattr(data.train, "bad_image_counts"):
+        hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, log=log,
+                                  is_main=is_main))
     if getattr(parts.sampler, "negatives", None) == "hard":
         hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
                                       epochs=config.train.epochs))

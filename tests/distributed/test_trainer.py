@@ -192,6 +192,14 @@ def test_ranks_that_disagree_stop_with_the_same_error_on_both(tmp_path, key, val
     assert result.stdout.count(f"ranks disagree on {key}") == 1, result.stdout[-3000:]
 
 
+def test_an_unexpected_exception_shows_one_traceback(tmp_path):
+    config = write_config(tmp_path, "raise")
+    result = launch("horovodrun", HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_RAISE": "2"}, timeout=120)
+    assert result.returncode != 0
+    assert result.stdout.count("RuntimeError: unexpected failure injected at step 2") >= 1
+    assert rank_tracebacks(result.stdout) == 1, result.stdout[-3000:]
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_dying_rank_ends_the_job_quickly(tmp_path, launcher):
     config = write_config(tmp_path, "crash", train__epochs=50)

@@ -2,6 +2,8 @@
 
 ``PKSAMPLER_TEST_CRASH=rank:step``: that rank exits with status 3 after that
 global step (a hook injected here, never part of the trainer).
+``PKSAMPLER_TEST_RAISE=step``: every rank raises a RuntimeError after that
+global step (an unexpected exception).
 ``PKSAMPLER_TEST_RANK_SET=rank:key=value``: that rank alone gets an extra
 ``--set key=value`` (ranks that disagree).
 """
@@ -31,12 +33,23 @@ class CrashAt(HookBase):
             os._exit(3)
 
 
+class RaiseAt(HookBase):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_step(self) -> None:
+        if self.trainer.state.global_step == self.step:
+            raise RuntimeError(f"unexpected failure injected at step {self.step}")
+
+
 def _arguments() -> tuple[list[str], list[HookBase]]:
     argv, hooks = sys.argv[1:], []
     crash = os.environ.get("PKSAMPLER_TEST_CRASH")
     if crash:
         rank, step = (int(v) for v in crash.split(":"))
         hooks.append(CrashAt(rank, step))
+    if os.environ.get("PKSAMPLER_TEST_RAISE"):
+        hooks.append(RaiseAt(int(os.environ["PKSAMPLER_TEST_RAISE"])))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
     if variant:
         rank, setting = variant.split(":", 1)
