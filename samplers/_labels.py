@@ -91,8 +91,6 @@ class ClassIndex:
     sizes: np.ndarray
     classes: np.ndarray
     fingerprint: str = field(repr=False)
-    #: per-index memo of epoch-independent plan quantities (e.g. chunk counts)
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:

@@ -43,6 +43,8 @@ class _BalancedPlan(StepPlanSampler):
         super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         self._layout_cache: tuple[tuple[int, int], EpochLayout] | None = None
+        #: epoch-independent chunk counts, kept by the plan functions between epochs
+        self._counts_cache: dict = {}
         _ = self.num_batches  # validates "enough classes" now rather than at the first epoch
 
     @property
@@ -85,6 +87,7 @@ class _BalancedPlan(StepPlanSampler):
             "epoch": epoch,
             "small_classes": self.small_classes,
             "class_weighting": self.class_weighting,
+            "cache": self._counts_cache,
         }
 
     def _count_steps(self, epoch: int) -> int:
@@ -112,10 +115,6 @@ class _BalancedPlan(StepPlanSampler):
             stop_step=stop,
         )
         return batches.reshape(batches.shape[0], self.batch_size)
-
-    def rank_plan(self) -> np.ndarray:
-        """This rank's remaining batches of the current epoch as one ``(steps, P*K)`` array."""
-        return self._rank_steps(self.epoch, self._resume_step, self.num_batches)
 
 
 class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):

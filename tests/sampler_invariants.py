@@ -21,7 +21,8 @@ def make_labels(kind: str, num_classes: int, num_samples: int, seed: int) -> np.
     elif kind == "small":  # many classes smaller than K
         labels = rng.integers(0, num_classes, max(num_classes, num_samples // 4))
     elif kind == "dominant":  # one class holds most of the data
-        labels = np.where(rng.random(num_samples) < 0.7, 0, rng.integers(1, num_classes, num_samples))
+        others = rng.integers(1, num_classes, num_samples) if num_classes > 1 else np.zeros(num_samples, np.int64)
+        labels = np.where(rng.random(num_samples) < 0.7, 0, others)
     else:
         raise ValueError(kind)
     labels = np.concatenate([np.arange(num_classes), labels])  # every class present
