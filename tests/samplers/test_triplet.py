@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
-from sampler_invariants import make_labels
+from sampler_invariants import check_anchor_coverage, check_triplet_ranks, check_triplets, make_labels
 
 from pksampler.samplers import (
     DistributedTripletBatchSampler,
@@ -52,42 +52,25 @@ def has_enough_anchors(cfg: dict) -> bool:
 
 @given(triplet_configs())
 def test_triples_are_valid_and_ranks_disjoint_with_equal_lengths(cfg):
-    labels = cfg["labels"]
     if not has_enough_anchors(cfg):
         with pytest.raises(ValueError, match="not enough anchors"):
             rank_plans(cfg)
-        return
-    plans = rank_plans(cfg)
-    assert len({p.shape[0] for p in plans}) == 1
-    for plan in plans:
-        a, p, n = plan[..., 0], plan[..., 1], plan[..., 2]
-        assert (labels[a] == labels[p]).all() and (a != p).all()
-        assert (labels[n] != labels[a]).all()
-    anchors = np.concatenate([p[..., 0] for p in plans], axis=1)
-    for row in anchors:
-        assert np.unique(row).size == row.size, "an anchor is used twice in one step"
+    else:
+        plans = rank_plans(cfg)
+        for plan in plans:
+            check_triplets(plan, cfg["labels"])
+        check_triplet_ranks(plans)
 
 
 @given(triplet_configs(max_world=8))
 def test_every_anchor_once_per_epoch_up_to_the_remainder(cfg):
-    if not has_enough_anchors(cfg):
-        return
-    labels = cfg["labels"]
-    plans = rank_plans(cfg)
-    anchors = np.concatenate([p[..., 0].reshape(-1) for p in plans])
-    sizes = np.bincount(labels)
-    eligible = np.flatnonzero(sizes[labels] >= 2)
-    per_step = cfg["world"] * cfg["T"]
-    assert anchors.size == (eligible.size // per_step) * per_step
-    counts = np.bincount(anchors, minlength=labels.size)
-    assert counts.max() <= 1 and counts[eligible].sum() == anchors.size
-    assert not counts[sizes[labels] < 2].any(), "a class with one sample served as anchor"
+    assume(has_enough_anchors(cfg))
+    check_anchor_coverage(rank_plans(cfg), cfg["labels"], cfg["world"] * cfg["T"])
 
 
 @given(triplet_configs())
 def test_world_size_invariance(cfg):
-    if not has_enough_anchors(cfg):
-        return
+    assume(has_enough_anchors(cfg))
     merged = np.concatenate(rank_plans(cfg), axis=1)
     single = rank_plans(cfg, world=1, per_rank=cfg["world"] * cfg["T"])[0]
     assert np.array_equal(merged, single)
