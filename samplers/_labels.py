@@ -24,7 +24,7 @@ __all__ = ["ClassIndex", "extract_labels", "group_labels"]
 #: float labels must be whole numbers of magnitude below this to be exact int64 classes
 _FLOAT_LIMIT = 2.0**63
 #: samples per block of the counting sort (bounds its temporaries)
-_BLOCK = 1 << 20
+_BLOCK = 1 << 18
 
 
 def _is_array_like(value: Any) -> bool:
