@@ -10,7 +10,7 @@ from ._labels import ClassIndex, group_labels
 from ._world import world_info
 from .balanced import DistributedBalancedBatchSampler, DistributedBalancedSampler
 from .pk_plan import balanced_plan, epoch_layout, rank_batches
-from .triplet import DistributedTripletBatchSampler, DistributedTripletSampler, class_neighbours
+from .triplet import DistributedTripletBatchSampler, DistributedTripletSampler
 from .triplet_plan import triplet_batches
 from .consistency import SamplerMismatchError, check_consistent, sampler_fingerprint
 
@@ -23,7 +23,6 @@ __all__ = [
     "SamplerMismatchError",
     "balanced_plan",
     "check_consistent",
-    "class_neighbours",
     "epoch_layout",
     "group_labels",
     "rank_batches",

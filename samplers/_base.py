@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ._validate import check_int
+from ._validate import SEED_LIMIT, check_int
 
 __all__ = ["StepPlanSampler"]
 
@@ -33,7 +33,7 @@ class StepPlanSampler:
     def __init__(self, *, num_replicas: int, rank: int, seed: int) -> None:
         self.num_replicas = num_replicas
         self.rank = rank
-        self.seed = check_int("seed", seed, minimum=0, owner=self._owner)
+        self.seed = check_int("seed", seed, minimum=0, below=SEED_LIMIT, owner=self._owner)
         self.epoch = 0
         self._resume_step = 0
         self._iter_start = 0
@@ -62,7 +62,7 @@ class StepPlanSampler:
         otherwise every epoch repeats the same order. Starting a new epoch
         clears a pending mid-epoch resume position.
         """
-        epoch = check_int("epoch", epoch, minimum=0, owner=f"{self._owner}.set_epoch")
+        epoch = check_int("epoch", epoch, minimum=0, below=SEED_LIMIT, owner=f"{self._owner}.set_epoch")
         if epoch != self.epoch:
             self._resume_step = 0
         self.epoch = epoch
@@ -133,8 +133,8 @@ class StepPlanSampler:
         if state["version"] != _STATE_VERSION:
             raise ValueError(f"{owner}(state=) has version {state['version']!r}, this sampler reads {_STATE_VERSION}")
         self._check_identity(state, owner)
-        self.seed = check_int("state['seed']", state["seed"], minimum=0, owner=owner)
-        self.epoch = check_int("state['epoch']", state["epoch"], minimum=0, owner=owner)
+        self.seed = check_int("state['seed']", state["seed"], minimum=0, below=SEED_LIMIT, owner=owner)
+        self.epoch = check_int("state['epoch']", state["epoch"], minimum=0, below=SEED_LIMIT, owner=owner)
         step = check_int("state['step']", state["step"], minimum=0, owner=owner)
         self._steps_cache = None
         if step > self.num_batches:

@@ -1,32 +1,90 @@
 """Label encoding and class grouping (CSR), computed once per sampler.
 
 Labels of any hashable kind become dense class codes ``0..C-1``; the samples
-are grouped by class as ``members`` (sample indices sorted by class) and
-``offsets`` (class ``c`` owns ``members[offsets[c]:offsets[c+1]]``).
+are grouped by class as ``members`` (sample indices sorted by class, stable)
+and ``offsets`` (class ``c`` owns ``members[offsets[c]:offsets[c+1]]``).
+
+Integer labels whose range is at most a few times N take a fast path: codes
+come from a lookup table (``bincount``, no sort) and the grouping is a
+counting sort done in blocks, so the full ``(N,)`` code array never exists
+and peak memory stays near the ``members`` array itself. Other labels go
+through ``np.unique``.
 """
 
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
 __all__ = ["ClassIndex", "extract_labels", "group_labels"]
 
+#: float labels must be whole numbers of magnitude below this to be exact int64 classes
+_FLOAT_LIMIT = 2.0**63
+#: samples per block of the counting sort (bounds its temporaries)
+_BLOCK = 1 << 18
+
+
+def _is_array_like(value: Any) -> bool:
+    """Arrays, sequences and tensors that hold labels directly (never a dataset)."""
+    if isinstance(value, (np.ndarray, list, tuple, range)):
+        return True
+    return hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy")
+
+
+def _source_of(labels: Any, owner: str) -> Any:
+    """The label container: ``labels`` itself, or a dataset's ``labels``/``targets``.
+
+    A dataset without either is refused instead of loading every sample to
+    read labels from it.
+    """
+    if _is_array_like(labels):
+        return labels
+    for attribute in ("labels", "targets"):
+        if hasattr(labels, attribute):
+            return getattr(labels, attribute)
+    raise TypeError(
+        f"{owner}(labels=) got a {type(labels).__name__} without a .labels or .targets attribute; "
+        "the sampler never loads samples to read their labels: pass labels= as an array or list "
+        "with one class label per sample (or give the dataset a .labels attribute)"
+    )
+
+
+def _check_missing(array: np.ndarray, owner: str) -> None:
+    """Refuse None and NaN in object labels: they are missing labels, not classes."""
+    missing = np.equal(array, None) | (array != array)  # NaN is the one value unequal to itself
+    if missing.any():
+        position = int(np.flatnonzero(missing)[0])
+        raise ValueError(
+            f"{owner}(labels=) has a missing label ({array[position]!r}) at index {position}; "
+            "every sample needs a class label (no None or NaN)"
+        )
+
+
+def _check_floats(array: np.ndarray, owner: str) -> np.ndarray:
+    """Float labels must be exact integers of magnitude below 2**63; returned as int64."""
+    finite = np.isfinite(array)
+    whole = finite & (array == np.round(array)) & (np.abs(array) < _FLOAT_LIMIT)
+    if not whole.all():
+        position = int(np.flatnonzero(~whole)[0])
+        raise ValueError(
+            f"{owner}(labels=) has the float label {float(array[position])!r} at index {position}; float labels must "
+            "be finite whole numbers of magnitude below 2**63 (exact integer classes); "
+            "pass integer or string class labels"
+        )
+    return array.astype(np.int64)
+
 
 def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
-    """Return a 1-D numpy array of labels from an array, a sequence or a dataset.
+    """Return a 1-D numpy array of labels from an array, a sequence, a tensor or a dataset.
 
     A dataset is accepted if it exposes ``labels`` or ``targets``; the sampler
-    never loads a sample to find its label.
+    never loads a sample to find its label. Missing labels (None, NaN) and
+    floats that are not exact integers are refused.
     """
-    source = labels
-    for attribute in ("labels", "targets"):
-        if not isinstance(labels, (np.ndarray, list, tuple)) and hasattr(labels, attribute):
-            source = getattr(labels, attribute)
-            break
+    source = _source_of(labels, owner)
     if hasattr(source, "detach") and hasattr(source, "cpu"):  # a torch tensor
         source = source.detach().cpu().numpy()
     try:
@@ -39,39 +97,76 @@ def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
         )
     if array.shape[0] == 0:
         raise ValueError(f"{owner}(labels=) is empty: the dataset has no samples")
+    if array.dtype == object:
+        _check_missing(array, owner)
+    elif array.dtype.kind in "US" and not isinstance(source, np.ndarray):
+        # numpy turns None/NaN inside a list of strings into the strings 'None'/'nan'
+        _check_missing(np.asarray(source, dtype=object), owner)
     if array.dtype.kind == "f":
-        if not np.all(np.isfinite(array)) or not np.all(array == np.round(array)):
-            raise ValueError(
-                f"{owner}(labels=) has float labels that are not whole numbers; "
-                "pass integer or string class labels"
-            )
-    if array.dtype.kind in "fb":
+        array = _check_floats(array, owner)
+    elif array.dtype.kind == "b":
         array = array.astype(np.int64)
+    elif array.dtype.kind not in "iuUSO":
+        raise TypeError(f"{owner}(labels=) must hold integer, string or other hashable labels, got dtype {array.dtype}")
     return array
 
 
-def _encode(array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Dense codes ``0..C-1`` in sorted label order, and the class values."""
-    if array.dtype.kind in "iu":
-        low, high = int(array.min()), int(array.max())
-        # Dense non-negative integer labels: a lookup table is O(N), no sort.
-        if high - low <= 4 * array.shape[0] + 1024:
-            present = np.bincount(array - low, minlength=high - low + 1) > 0
-            values = np.flatnonzero(present) + low
-            lookup = np.cumsum(present) - 1
-            codes = lookup[array - low]
-            return codes, values
-    if array.dtype == object:
-        try:
-            values, codes = np.unique(array, return_inverse=True)
-        except TypeError:  # unorderable mix of hashables: encode by first appearance
-            table: dict[Any, int] = {}
-            codes = np.fromiter((table.setdefault(v, len(table)) for v in array), np.int64, len(array))
-            values = np.empty(len(table), dtype=object)
-            values[:] = list(table)
-        return codes, values
-    values, codes = np.unique(array, return_inverse=True)
-    return codes.reshape(-1), values
+def _encode_objects(array: np.ndarray, owner: str) -> tuple[np.ndarray, np.ndarray]:
+    """Codes of object labels: sorted order when orderable, else by first appearance."""
+    try:
+        values, codes = np.unique(array, return_inverse=True)
+        return codes.reshape(-1), values
+    except TypeError:
+        pass
+    table: dict[Any, int] = {}
+    try:
+        codes = np.fromiter((table.setdefault(v, len(table)) for v in array), np.int64, len(array))
+    except TypeError as error:
+        raise TypeError(
+            f"{owner}(labels=) must hold hashable class labels (ints, strings, tuples, ...): {error}"
+        ) from None
+    values = np.empty(len(table), dtype=object)
+    values[:] = list(table)
+    return codes, values
+
+
+def _dense_range(array: np.ndarray) -> tuple[int, int] | None:
+    """``(low, high)`` of integer labels when a lookup table over the range is cheap, else None."""
+    if array.dtype.kind not in "iu":
+        return None
+    low, high = int(array.min()), int(array.max())
+    return (low, high) if high - low <= 4 * array.shape[0] + 1024 else None
+
+
+def _stable_order(codes: np.ndarray, num_classes: int) -> np.ndarray:
+    """Stable argsort of class codes: numpy's radix sort on 16-bit keys, two passes above 2**16 classes."""
+    if num_classes <= 1 << 16:
+        return np.argsort(codes.astype(np.uint16), kind="stable")
+    first = np.argsort((codes & 0xFFFF).astype(np.uint16), kind="stable")
+    second = np.argsort((codes[first] >> 16).astype(np.uint16), kind="stable")
+    return first[second]
+
+
+def _counting_sort(
+    blocks: Callable[[], Iterator[tuple[int, np.ndarray]]], sizes: np.ndarray, offsets: np.ndarray, index_dtype: type
+) -> np.ndarray:
+    """``members``: sample indices grouped by class, in index order inside a class.
+
+    ``blocks()`` yields ``(first_index, codes)`` for consecutive blocks; each
+    block is stably sorted (O(block)) and scattered after the members of its
+    classes placed by earlier blocks.
+    """
+    members = np.empty(int(offsets[-1]), dtype=index_dtype)
+    cursor = offsets[:-1].astype(np.int64)
+    for first, codes in blocks():
+        order = _stable_order(codes, sizes.size)
+        ordered = codes[order]
+        run_start = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        run_length = np.diff(np.r_[run_start, ordered.size])
+        rank = np.arange(ordered.size) - np.repeat(run_start, run_length)
+        members[cursor[ordered] + rank] = order + first
+        cursor[ordered[run_start]] += run_length
+    return members
 
 
 @dataclass(frozen=True)
@@ -80,7 +175,8 @@ class ClassIndex:
 
     Attributes:
         members: sample indices ordered by class (int32 when N < 2**31).
-        offsets: ``C + 1`` boundaries; class ``c`` owns ``members[offsets[c]:offsets[c+1]]``.
+        offsets: ``C + 1`` boundaries; class ``c`` owns ``members[offsets[c]:offsets[c+1]]``
+            (int32 when N < 2**31).
         sizes: samples per class, ``np.diff(offsets)``.
         classes: the original label value of each class code.
         fingerprint: a digest of the label sequence, equal across ranks iff the labels are.
@@ -91,8 +187,6 @@ class ClassIndex:
     sizes: np.ndarray
     classes: np.ndarray
     fingerprint: str = field(repr=False)
-    #: per-index memo of epoch-independent plan quantities (e.g. chunk counts)
-    memo: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_samples(self) -> int:
@@ -119,23 +213,55 @@ class ClassIndex:
         return np.maximum(codes, 0), codes >= 0
 
 
-def group_labels(labels: Any, *, owner: str = "group_labels") -> ClassIndex:
-    """Group sample indices by class in O(N) memory (one pass plus a stable sort)."""
-    array = extract_labels(labels, owner=owner)
-    codes, values = _encode(array)
-    n = codes.shape[0]
-    index_dtype = np.int32 if n < 2**31 else np.int64
-    code_dtype = np.int32 if len(values) < 2**31 else np.int64
-    codes = codes.astype(code_dtype, copy=False)
-    sizes = np.bincount(codes, minlength=len(values)).astype(np.int64)
-    offsets = np.zeros(len(values) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=offsets[1:])
-    members = np.argsort(codes, kind="stable").astype(index_dtype, copy=False)
-    digest = hashlib.blake2b(digest_size=16)
-    digest.update(np.ascontiguousarray(codes).tobytes())
-    digest.update(sizes.tobytes())
+def _digest_values(digest: Any, values: np.ndarray) -> None:
     if values.dtype == object or values.dtype.kind in "US":
         digest.update(repr(values.tolist()).encode("utf-8", "backslashreplace"))
     else:
         digest.update(np.ascontiguousarray(values).tobytes())
+
+
+def group_labels(labels: Any, *, owner: str = "group_labels") -> ClassIndex:
+    """Group sample indices by class: O(N) for dense integer labels, else one ``np.unique``.
+
+    The fingerprint digests the code sequence, the class sizes and the class
+    values, so it is equal on two ranks exactly when their labels are.
+    """
+    array = extract_labels(labels, owner=owner)
+    n = array.shape[0]
+    index_dtype = np.int32 if n < 2**31 else np.int64
+    dense = _dense_range(array)
+    if dense is not None:
+        low, high = dense
+        present = np.bincount(array - low if low else array, minlength=high - low + 1)
+        values = np.flatnonzero(present) + low
+        lookup = (np.cumsum(present > 0) - 1).astype(index_dtype)
+
+        def blocks() -> Iterator[tuple[int, np.ndarray]]:
+            for first in range(0, n, _BLOCK):
+                chunk = array[first:first + _BLOCK]
+                yield first, lookup[chunk - low if low else chunk]
+
+        sizes = present[present > 0].astype(index_dtype)
+        del present
+    else:
+        if array.dtype == object:
+            codes, values = _encode_objects(array, owner)
+        else:
+            values, codes = np.unique(array, return_inverse=True)
+        codes = codes.reshape(-1).astype(index_dtype)
+        sizes = np.bincount(codes, minlength=len(values)).astype(index_dtype)
+
+        def blocks() -> Iterator[tuple[int, np.ndarray]]:
+            for first in range(0, n, _BLOCK):
+                yield first, codes[first:first + _BLOCK]
+
+    offsets = np.zeros(len(values) + 1, dtype=index_dtype)
+    np.cumsum(sizes, out=offsets[1:])
+    digest = hashlib.blake2b(digest_size=16)
+    code_dtype = np.int32 if len(values) < 2**31 else np.int64
+    for _, codes_block in blocks():
+        digest.update(np.ascontiguousarray(codes_block, dtype=code_dtype).tobytes())
+    digest.update(sizes.astype(np.int64).tobytes())
+    _digest_values(digest, values)
+    members = _counting_sort(blocks, sizes, offsets, index_dtype)
     return ClassIndex(members, offsets, sizes, values, digest.hexdigest())

@@ -6,11 +6,17 @@ import numbers
 from typing import Any
 
 
-def check_int(name: str, value: Any, *, minimum: int | None = None, owner: str = "") -> int:
+#: seeds and epochs must fit the int64 fields of the cross-rank fingerprint
+SEED_LIMIT = 2**63
+
+
+def check_int(
+    name: str, value: Any, *, minimum: int | None = None, below: int | None = None, owner: str = ""
+) -> int:
     """Return ``value`` as an ``int`` or raise a TypeError/ValueError naming ``name``.
 
     ``bool`` is rejected even though it is an ``int`` subclass: ``True`` as a
-    batch size is always a mistake.
+    batch size is always a mistake. ``below`` is an exclusive upper bound.
     """
     where = f"{owner}({name}=)" if owner else f"{name}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -18,6 +24,10 @@ def check_int(name: str, value: Any, *, minimum: int | None = None, owner: str =
     value = int(value)
     if minimum is not None and value < minimum:
         raise ValueError(f"{where} must be >= {minimum}, got {value}")
+    if below is not None and value >= below:
+        low = "" if minimum is None else f"{minimum}, "
+        bound = "2**63" if below == SEED_LIMIT else str(below)
+        raise ValueError(f"{where} must be in [{low}{bound}) ({bound} and above are not allowed), got {value}")
     return value
 
 

@@ -16,6 +16,9 @@ from .pk_plan import SMALL_CLASS_POLICIES, EpochLayout, count_steps, epoch_layou
 
 __all__ = ["DistributedBalancedBatchSampler", "DistributedBalancedSampler"]
 
+#: samples_per_class may be at most this multiple of the largest class (filled by repetition)
+REPEAT_LIMIT = 16
+
 
 class _BalancedPlan(StepPlanSampler):
     """Configuration and epoch cache shared by the flat and the batch form."""
@@ -42,7 +45,16 @@ class _BalancedPlan(StepPlanSampler):
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
         super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
+        limit = REPEAT_LIMIT * int(self.index.sizes.max())
+        if self.samples_per_class > limit:
+            raise ValueError(
+                f"{owner}(samples_per_class=) must be at most {REPEAT_LIMIT} x the largest class size "
+                f"= {limit}, got {self.samples_per_class}: beyond that every chunk is mostly repeated samples "
+                f"and an epoch would hold more than {REPEAT_LIMIT} passes over the data"
+            )
         self._layout_cache: tuple[tuple[int, int], EpochLayout] | None = None
+        #: epoch-independent chunk counts, kept by the plan functions between epochs
+        self._counts_cache: dict = {}
         _ = self.num_batches  # validates "enough classes" now rather than at the first epoch
 
     @property
@@ -85,6 +97,7 @@ class _BalancedPlan(StepPlanSampler):
             "epoch": epoch,
             "small_classes": self.small_classes,
             "class_weighting": self.class_weighting,
+            "cache": self._counts_cache,
         }
 
     def _count_steps(self, epoch: int) -> int:
@@ -113,10 +126,6 @@ class _BalancedPlan(StepPlanSampler):
         )
         return batches.reshape(batches.shape[0], self.batch_size)
 
-    def rank_plan(self) -> np.ndarray:
-        """This rank's remaining batches of the current epoch as one ``(steps, P*K)`` array."""
-        return self._rank_steps(self.epoch, self._resume_step, self.num_batches)
-
 
 class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
     """Class-balanced sampler for distributed metric learning: P classes x K samples per rank batch.
@@ -136,7 +145,9 @@ class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
         labels: one class label per sample (ints, strings, any hashable), or
             a dataset exposing ``labels`` or ``targets``. No sample is loaded.
         classes_per_batch: P, classes in each rank batch.
-        samples_per_class: K, samples of each class in a batch.
+        samples_per_class: K, samples of each class in a batch; at most 16 x
+            the largest class size (smaller classes are filled by repetition;
+            beyond 16x an epoch would be more than 16 passes over the data).
         num_replicas: world size W; detected (Horovod, torch.distributed,
             launcher environment) when None.
         rank: this rank in ``[0, num_replicas)``; detected when None.

@@ -27,11 +27,18 @@ How chunks are placed (all steps of the algorithm are vectorised):
 3. The classes are shuffled and their chunks laid out class by class in a
    sequence of length ``S * G``, cut into G columns of S positions; a class
    occupies a contiguous run of at most S positions, so at most two columns.
-4. Column j maps its position o to step ``sigma^-1((o + c_j) mod S)`` with a
-   random step permutation ``sigma`` and a random rotation ``c_j`` per column.
-   The rotation of a column that continues a class from the previous column is
-   drawn from the window that keeps that class's two parts in different steps.
-   Each column is a bijection onto the steps, so a step holds G distinct classes.
+4. Every column gets its own random bijection onto the steps (one chunk of
+   every column per step, so G chunks per step). Independent columns are what
+   make batch-mates varied: a class's chunks land in random steps and meet
+   random chunks of every other column, as in a random deal. Only a class
+   split across columns j-1 and j can meet itself; each such chunk in column
+   j swaps its step with a chunk of column j on a step the class does not
+   use. In a *loose* column (split class plus the next column's share fit in
+   S) the partner is a chunk of a class lying wholly inside the column, which
+   touches no other constraint, so all loose columns are repaired at once,
+   vectorised. A *tight* column (two large classes adjacent) may have to move
+   the next split class, so tight columns are repaired in column order and
+   the next boundary re-checked; a partner always exists.
 5. Within step s, the G columns are rotated by a random ``rho_s`` into slots;
    rank r takes slots ``[r*P, (r+1)*P)``, so every rank meets every class.
 6. Chunk q of class c holds positions ``q*K .. q*K+K-1`` (mod ``n_c``) of the
@@ -47,6 +54,7 @@ classes is an error.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +71,10 @@ __all__ = [
     "eligible_classes",
     "epoch_layout",
     "epoch_rng",
+    "column_positions",
+    "count_steps",
     "rank_batches",
+    "step_classes",
 ]
 
 SMALL_CLASS_POLICIES = ("repeat", "drop")
@@ -135,9 +146,11 @@ class EpochLayout:
         classes_per_step: G.
         class_order: shuffled class codes (only classes with chunks this epoch).
         starts: ``len(class_order) + 1`` run boundaries in the chunk sequence.
-        run_of: the run index of every chunk position (S*G,).
-        column_shift: ``c_j`` per column (G,).
-        step_key: ``sigma`` as an array: column position ``(o + c_j) mod S`` of step s is ``step_key[s]``.
+        run_of: the run index of every chunk position (S*G,); a table lookup
+            is several times cheaper per rank than a binary search of ``starts``.
+        position_of: ``(G, S)``; ``position_of[j, s]`` is the offset inside
+            column j of the chunk that column j gives to step s (a permutation
+            of ``[0, S)`` per row).
         slot_shift: ``rho_s`` per step (S,).
         member_key: base key of the per-class member permutations.
     """
@@ -147,8 +160,7 @@ class EpochLayout:
     class_order: np.ndarray
     starts: np.ndarray
     run_of: np.ndarray
-    column_shift: np.ndarray
-    step_key: np.ndarray
+    position_of: np.ndarray
     slot_shift: np.ndarray
     member_key: np.uint64
 
@@ -160,21 +172,26 @@ def _counts_for_epoch(
     rng: np.random.Generator,
     small_classes: str,
     class_weighting: float,
-) -> tuple[np.ndarray, np.ndarray, int]:
+    cache: dict | None,
+) -> tuple[np.ndarray | None, np.ndarray, int]:
+    """Eligible classes (None: all), capped chunk counts and S for one epoch.
+
+    With ``class_weighting == 1`` the result does not depend on the epoch; a
+    caller-owned ``cache`` dict keeps it between epochs.
+    """
     uniform = float(rng.random())  # always drawn, so later draws do not depend on the weighting
-    memo_key = ("counts", classes_per_step, samples_per_class, small_classes)
-    if class_weighting == 1.0 and memo_key in index.memo:  # epoch-independent: computed once
-        return index.memo[memo_key]
+    key = ("counts", classes_per_step, samples_per_class, small_classes)
+    if class_weighting == 1.0 and cache is not None and key in cache:
+        return cache[key]
     eligible = eligible_classes(index.sizes, samples_per_class, small_classes)
     if eligible.size < classes_per_step:
         raise ValueError(_too_few_classes_message(index, eligible.size, classes_per_step, samples_per_class, small_classes))
     counts = chunk_counts(index.sizes[eligible], samples_per_class, class_weighting, uniform)
     capped, num_steps = cap_counts(counts, classes_per_step)
-    if eligible.size == index.num_classes:
-        eligible = None  # all classes: spare a gather later
-    if class_weighting == 1.0:
-        index.memo[memo_key] = (eligible, capped, num_steps)
-    return eligible, capped, num_steps
+    result = (None if eligible.size == index.num_classes else eligible, capped, num_steps)
+    if class_weighting == 1.0 and cache is not None:
+        cache[key] = result
+    return result
 
 
 def _too_few_classes_message(
@@ -201,10 +218,11 @@ def count_steps(
     epoch: int,
     small_classes: str = "repeat",
     class_weighting: float = 1.0,
+    cache: dict | None = None,
 ) -> int:
     """S for one epoch in O(C), without building the plan."""
     rng = epoch_rng(seed, epoch)
-    return _counts_for_epoch(index, classes_per_step, samples_per_class, rng, small_classes, class_weighting)[2]
+    return _counts_for_epoch(index, classes_per_step, samples_per_class, rng, small_classes, class_weighting, cache)[2]
 
 
 def epoch_layout(
@@ -216,11 +234,16 @@ def epoch_layout(
     epoch: int,
     small_classes: str = "repeat",
     class_weighting: float = 1.0,
+    cache: dict | None = None,
 ) -> EpochLayout:
-    """Build the global layout of one epoch (steps 1-5 of the module docstring)."""
+    """Build the global layout of one epoch (steps 1-5 of the module docstring).
+
+    ``cache`` (optional, owned by the caller) keeps the epoch-independent chunk
+    counts between epochs.
+    """
     rng = epoch_rng(seed, epoch)
     eligible, counts, num_steps = _counts_for_epoch(
-        index, classes_per_step, samples_per_class, rng, small_classes, class_weighting
+        index, classes_per_step, samples_per_class, rng, small_classes, class_weighting, cache
     )
     shuffle = rng.permutation(counts.size)
     class_order = shuffle if eligible is None else eligible[shuffle]
@@ -234,12 +257,9 @@ def epoch_layout(
         class_order, run_lengths = class_order[present], run_lengths[present]
     starts = np.zeros(class_order.size + 1, dtype=np.int64)
     np.cumsum(run_lengths, out=starts[1:])
-    # run_of[i]: the run (class in class_order) holding chunk position i; O(S*G)
     run_dtype = np.int32 if class_order.size < 2**31 else np.int64
     run_of = np.repeat(np.arange(class_order.size, dtype=run_dtype), run_lengths)
-
-    column_shift = _column_shifts(starts, num_steps, classes_per_step, rng.random(classes_per_step))
-    step_key = rng.permutation(num_steps)
+    position_of = column_positions(starts, num_steps, classes_per_step, rng)
     slot_shift = rng.integers(0, classes_per_step, size=num_steps)
     member_key = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
     return EpochLayout(
@@ -248,35 +268,114 @@ def epoch_layout(
         class_order=class_order,
         starts=starts,
         run_of=run_of,
-        column_shift=column_shift,
-        step_key=step_key,
+        position_of=position_of,
         slot_shift=slot_shift,
         member_key=member_key,
     )
 
 
-def _column_shifts(starts: np.ndarray, num_steps: int, columns: int, uniforms: np.ndarray) -> np.ndarray:
-    """Rotation per column; a class split across a column boundary keeps distinct steps.
+def _split_runs(starts: np.ndarray, num_steps: int, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per column j: ``tail[j]``, ``head[j]`` and ``next_tail[j]``.
 
-    A class with ``a`` chunks at the end of column j-1 and ``b`` at the start of
-    column j occupies rotated positions ``[c_{j-1} - a, c_{j-1})`` and
-    ``[c_j, c_j + b)`` (mod S); they are disjoint iff
-    ``c_j - c_{j-1}`` lies in ``[0, S - a - b]``.
+    ``tail[j]`` chunks at the end of column j-1 and ``head[j]`` at the start of
+    column j belong to one class (the class split by boundary j; both 0 when
+    no class straddles it); ``next_tail[j] = tail[j+1]`` is how many chunks at
+    the end of column j continue into column j+1.
     """
-    boundaries = np.arange(1, columns, dtype=np.int64) * num_steps
-    run = np.searchsorted(starts, boundaries, side="right") - 1  # class run holding the first position of column j
-    before = boundaries - starts[run]  # a: chunks of that run in column j-1
-    after = np.minimum(starts[run + 1], boundaries + num_steps) - boundaries  # b
-    split = before > 0
-    window = num_steps - before - after + 1
-    shifts = np.empty(columns, dtype=np.int64)
-    shifts[0] = int(uniforms[0] * num_steps)
-    for j in range(1, columns):  # G iterations of scalar work
-        if split[j - 1]:
-            shifts[j] = (shifts[j - 1] + int(uniforms[j] * window[j - 1])) % num_steps
-        else:
-            shifts[j] = int(uniforms[j] * num_steps)
-    return shifts
+    tail = np.zeros(columns, dtype=np.int64)
+    head = np.zeros(columns, dtype=np.int64)
+    if columns > 1:
+        boundaries = np.arange(1, columns, dtype=np.int64) * num_steps
+        run = np.searchsorted(starts, boundaries, side="right") - 1  # run holding the first position of column j
+        before = boundaries - starts[run]
+        after = np.minimum(starts[run + 1], boundaries + num_steps) - boundaries
+        tail[1:] = before
+        head[1:] = np.where(before > 0, after, 0)
+    next_tail = np.append(tail[1:], 0)
+    return tail, head, next_tail
+
+
+def column_positions(starts: np.ndarray, num_steps: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """An independent random bijection steps -> positions per column, repaired so no step repeats a class.
+
+    Returns ``position_of`` of shape ``(G, S)`` (int32 when S < 2**31). Row j
+    is a uniformly random permutation, except where a class split across
+    columns j-1 and j would meet itself: each such chunk in column j swaps
+    its step with a chunk of column j whose step that class does not use
+    (step 4 of the module docstring).
+    """
+    dtype = np.int32 if num_steps < 2**31 else np.int64
+    position_of = np.tile(np.arange(num_steps, dtype=dtype), (columns, 1))
+    rng.permuted(position_of, axis=1, out=position_of)
+    tail, head, next_tail = _split_runs(starts, num_steps, columns)
+    split = tail > 0
+    loose = tail + head + next_tail <= num_steps
+    # Tight columns (two large classes meet) first, in column order: their
+    # repair may move the next split class's steps, so the next boundary is
+    # checked again. Loose columns never touch another boundary.
+    pending = np.flatnonzero(split & ~loose).tolist()
+    heapq.heapify(pending)
+    while pending:  # one iteration per tight column (a handful; at most G)
+        j = heapq.heappop(pending)
+        moved_tail = _repair_column(position_of, j, int(tail[j]), int(head[j]), int(next_tail[j]))
+        if moved_tail and j + 1 < columns and split[j + 1] and (not pending or pending[0] != j + 1):
+            heapq.heappush(pending, j + 1)
+    _repair_loose_columns(position_of, np.flatnonzero(split & loose), tail, head, next_tail)
+    return position_of
+
+
+def _repair_column(position_of: np.ndarray, j: int, tail: int, head: int, next_tail: int) -> bool:
+    """Move column j's chunks of the class split at boundary j off that class's steps in column j-1.
+
+    Partners are chunks of column j outside its head on steps the class does
+    not use; there are always enough (``S - tail - (head - bad) >= bad``).
+    Interior partners come first; returns True if a partner of the tail
+    (the class continuing into column j+1) had to move.
+    """
+    num_steps = position_of.shape[1]
+    used = position_of[j - 1] >= num_steps - tail  # steps of the class's part in column j-1
+    row = position_of[j]
+    bad = np.flatnonzero(used & (row < head))
+    if not bad.size:
+        return False
+    free = np.flatnonzero(~used & (row >= head))
+    in_tail = row[free] >= num_steps - next_tail
+    free = free[np.argsort(in_tail, kind="stable")][: bad.size]
+    row[bad], row[free] = row[free], row[bad].copy()
+    return bool((row[bad] >= num_steps - next_tail).any())
+
+
+def _repair_loose_columns(
+    position_of: np.ndarray, columns: np.ndarray, tail: np.ndarray, head: np.ndarray, next_tail: np.ndarray
+) -> None:
+    """Vectorised repair of every loose column at once (``tail + head + next_tail <= S``).
+
+    The k-th colliding chunk of a column swaps steps with the k-th chunk of
+    the column's interior (classes wholly inside the column) on a step the
+    split class does not use. Such a swap changes no other column's
+    constraint, and a loose column always has enough of them.
+    """
+    if not columns.size:
+        return
+    num_steps = position_of.shape[1]
+    rows = position_of[columns]
+    used = position_of[columns - 1] >= (num_steps - tail[columns])[:, None]
+    bad = used & (rows < head[columns][:, None])
+    hit = np.flatnonzero(bad.any(axis=1))
+    if not hit.size:
+        return
+    rows, used, bad, columns = rows[hit], used[hit], bad[hit], columns[hit]
+    interior = (rows >= head[columns][:, None]) & (rows < (num_steps - next_tail[columns])[:, None])
+    good = interior & ~used
+    need = bad.sum(axis=1)
+    good &= np.cumsum(good, axis=1) <= need[:, None]  # the first `need` partners of each row
+    bad_row, bad_step = np.nonzero(bad)
+    good_row, good_step = np.nonzero(good)
+    assert np.array_equal(bad_row, good_row), "a loose column ran out of repair partners"
+    swapped = rows[bad_row, bad_step].copy()
+    rows[bad_row, bad_step] = rows[good_row, good_step]
+    rows[good_row, good_step] = swapped
+    position_of[columns] = rows
 
 
 def rank_batches(
@@ -300,8 +399,7 @@ def rank_batches(
     steps = np.arange(start_step, stop_step, dtype=np.int64)
     slots = rank * classes_per_batch + np.arange(classes_per_batch, dtype=np.int64)
     column = (slots[None, :] + layout.slot_shift[steps][:, None]) % columns
-    offset = (layout.step_key[steps][:, None] - layout.column_shift[column]) % num_steps
-    position = column * num_steps + offset
+    position = column * num_steps + layout.position_of[column, steps[:, None]]
     run = layout.run_of[position]
     chunk = position - layout.starts[run]
     cls = layout.class_order[run]
@@ -311,6 +409,17 @@ def rank_batches(
     rows = within.reshape(-1, samples_per_class)
     shuffled = keyed_permute(rows, size.reshape(-1), keys.reshape(-1)).reshape(within.shape)
     return index.members[index.offsets[cls][..., None] + shuffled].astype(np.int64, copy=False)
+
+
+def step_classes(layout: EpochLayout) -> np.ndarray:
+    """Class codes of the whole epoch, shape ``(S, G)`` in slot order (for analysis and tests).
+
+    O(S*G); the samplers never need it.
+    """
+    steps = np.arange(layout.num_steps, dtype=np.int64)
+    column = (np.arange(layout.classes_per_step)[None, :] + layout.slot_shift[:, None]) % layout.classes_per_step
+    position = column * layout.num_steps + layout.position_of[column, steps[:, None]]
+    return layout.class_order[layout.run_of[position]]
 
 
 def balanced_plan(

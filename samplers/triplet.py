@@ -12,86 +12,12 @@ from torch.utils.data import Sampler
 from ._base import StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
-from ._world import initialised_horovod, initialised_torch_distributed, resolve_world
-from .triplet_plan import anchor_index, count_triplet_steps, triplet_batches
+from ._world import resolve_world
+from .triplet_plan import anchor_index, check_neighbour_table, count_triplet_steps, triplet_batches
 
-__all__ = ["DistributedTripletBatchSampler", "DistributedTripletSampler", "class_neighbours"]
+__all__ = ["DistributedTripletBatchSampler", "DistributedTripletSampler"]
 
 NEGATIVE_POLICIES = ("random", "hard")
-
-
-def class_neighbours(embeddings: Any, labels: Any, index: ClassIndex, hard_classes: int) -> np.ndarray:
-    """The ``hard_classes`` nearest other classes of every class, by cosine between class centroids.
-
-    Args:
-        embeddings: ``(n, d)`` embeddings (numpy or torch) of samples whose
-            labels are ``labels``; any subset of the sampler's data.
-        labels: ``(n,)`` labels in the same label space as the sampler's.
-        index: the sampler's class index (maps labels to class codes).
-        hard_classes: neighbours per class.
-
-    Returns:
-        int64 ``(C, hard_classes)`` class codes, nearest first; ``-1`` where a
-        class had no embeddings or too few other classes exist.
-    """
-    import faiss  # only the hard-negative path needs faiss
-
-    if hasattr(embeddings, "detach"):
-        embeddings = embeddings.detach().cpu().numpy()
-    x = np.asarray(embeddings, dtype=np.float32)
-    if x.ndim != 2 or x.shape[0] == 0:
-        raise ValueError(f"update_class_neighbours(embeddings=) must be a non-empty 2-D array, got shape {x.shape}")
-    if not np.isfinite(x).all():
-        row = int(np.flatnonzero(~np.isfinite(x).all(axis=1))[0])
-        raise ValueError(f"update_class_neighbours(embeddings=) contains NaN or Inf (first in row {row})")
-    if hasattr(labels, "detach"):
-        labels = labels.detach().cpu().numpy()
-    labels = np.asarray(labels)
-    if labels.shape != (x.shape[0],):
-        raise ValueError(f"update_class_neighbours(labels=) must have shape ({x.shape[0]},), got {labels.shape}")
-    codes, known = index.codes_of(labels)
-    if not known.all():
-        unknown = labels[~known][:3].tolist()
-        raise ValueError(
-            f"update_class_neighbours(labels=) has labels the sampler does not know, e.g. {unknown}: "
-            "the class-neighbour table must come from the sampler's labels"
-        )
-    num_classes = index.num_classes
-    sums = np.zeros((num_classes, x.shape[1]), dtype=np.float64)
-    np.add.at(sums, codes, x)
-    present = np.bincount(codes, minlength=num_classes) > 0
-    centroids = sums[present]
-    centroids /= np.maximum(np.linalg.norm(centroids, axis=1, keepdims=True), 1e-12)
-    centroids = np.ascontiguousarray(centroids, dtype=np.float32)
-    present_codes = np.flatnonzero(present)
-    table = np.full((num_classes, hard_classes), -1, dtype=np.int64)
-    k = min(hard_classes + 1, present_codes.size)
-    search = faiss.IndexFlatIP(centroids.shape[1])
-    search.add(centroids)
-    _, ids = search.search(centroids, k)
-    # Drop each class itself (moved last by a stable sort), keep the nearest-first order.
-    drop = (ids == np.arange(ids.shape[0])[:, None]) | (ids < 0)
-    order = np.argsort(drop, axis=1, kind="stable")
-    ids = np.take_along_axis(ids, order, axis=1)[:, :hard_classes]
-    valid = ~np.take_along_axis(drop, order, axis=1)[:, :hard_classes]
-    table[present_codes, : ids.shape[1]] = np.where(valid, present_codes[np.maximum(ids, 0)], -1)
-    return table
-
-
-def _default_broadcast() -> Callable[[Any], Any]:
-    hvd = initialised_horovod()
-    if hvd is not None:
-        # explicit name: the default (the type name) differs between sender and receivers
-        return lambda value: hvd.broadcast_object(value, root_rank=0, name="pksampler.class_neighbours")
-    dist = initialised_torch_distributed()
-    if dist is not None:
-        def broadcast(value: Any) -> Any:
-            holder = [value]
-            dist.broadcast_object_list(holder, src=0)
-            return holder[0]
-
-        return broadcast
-    return lambda value: value
 
 
 class _TripletPlan(StepPlanSampler):
@@ -112,13 +38,19 @@ class _TripletPlan(StepPlanSampler):
         owner = self._owner
         self.triplets_per_batch = check_int("triplets_per_batch", triplets_per_batch, minimum=1, owner=owner)
         self.negatives = check_choice("negatives", negatives, NEGATIVE_POLICIES, owner=owner)
-        self.hard_classes = check_int("hard_classes", hard_classes, minimum=1, owner=owner)
+        hard_classes = check_int("hard_classes", hard_classes, minimum=1, owner=owner)
         self.hard_fraction = check_real("hard_fraction", hard_fraction, low=0.0, high=1.0, owner=owner)
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
         super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         if self.index.num_classes < 2:
             raise ValueError(f"{owner}(labels=) needs at least 2 classes for negatives, got {self.index.num_classes}")
+        if self.negatives == "hard" and hard_classes > self.index.num_classes - 1:
+            raise ValueError(
+                f"{owner}(hard_classes=) must be at most the number of other classes, num_classes - 1 = "
+                f"{self.index.num_classes - 1}, with negatives='hard'; got {hard_classes}"
+            )
+        self.hard_classes = hard_classes
         self.anchors = anchor_index(self.index)
         per_step = self.num_replicas * self.triplets_per_batch
         if self.anchors.size < per_step:
@@ -164,26 +96,64 @@ class _TripletPlan(StepPlanSampler):
                 table = candidate
         return table
 
-    def update_class_neighbours(self, embeddings: Any, labels: Any, *,
-                                broadcast: Callable[[Any], Any] | None = None) -> np.ndarray:
-        """Refresh the hard-negative table from current embeddings; it applies from the next epoch.
+    def set_class_neighbours(self, table: Any) -> np.ndarray:
+        """Set the hard-negative table; it applies from the next epoch.
 
-        Rank 0 computes the table with faiss (class centroids, L2-normalised,
-        k-NN) and ``broadcast`` (default: Horovod's or torch.distributed's
-        ``broadcast_object`` when initialised) gives every rank the same table,
-        so the plan stays rank-consistent. Every rank must call this together.
+        ``table`` is ``(C, hard_classes)`` integer class codes of the sampler's
+        class index, nearest first, ``-1`` for none (e.g. from
+        :func:`pksampler.train.mining.class_neighbours`). It must be the same
+        on every rank: it is part of the cross-rank fingerprint and of
+        ``state_dict``. Returns the validated int64 copy.
         """
-        send = broadcast if broadcast is not None else _default_broadcast()
-        table = class_neighbours(embeddings, labels, self.index, self.hard_classes) if self.rank == 0 else None
-        table = send(table)
-        if table is None:
-            raise RuntimeError("update_class_neighbours: no table was received from rank 0")
-        table = np.asarray(table, dtype=np.int64)
-        if table.shape != (self.index.num_classes, self.hard_classes):
-            raise ValueError(f"update_class_neighbours: table of shape {table.shape}, expected "
-                             f"({self.index.num_classes}, {self.hard_classes})")
+        table = check_neighbour_table(table, self.index.num_classes, self.hard_classes,
+                                      owner=f"{self._owner}.set_class_neighbours")
         self._tables = [t for t in self._tables if t[0] <= self.epoch][-1:] + [(self.epoch + 1, table)]
         return table
+
+    def update_class_neighbours(self, embeddings: Any, labels: Any, *,
+                                broadcast: Callable[[Any], Any] | None = None) -> np.ndarray:
+        """Mine the hard-negative table from current embeddings on rank 0 and give it to every rank.
+
+        A convenience over :meth:`set_class_neighbours`: rank 0 maps ``labels``
+        to class codes and calls :func:`pksampler.train.mining.class_neighbours`
+        (faiss k-NN of class centroids); ``broadcast`` (default
+        :func:`pksampler.comm.broadcast_object`: Horovod, torch.distributed or
+        one process) sends the table to every rank. Every rank must call this
+        together. The table applies from the next epoch.
+        """
+        owner = f"{self._owner}.update_class_neighbours"
+        if broadcast is None:
+            from pksampler.comm import broadcast_object
+
+            def broadcast(value: Any) -> Any:
+                return broadcast_object(value, 0, name="pksampler.class_neighbours")
+
+        table = self._mine(embeddings, labels, owner) if self.rank == 0 else None
+        table = broadcast(table)
+        if table is None:
+            raise RuntimeError(f"{owner}: no table was received from rank 0")
+        return self.set_class_neighbours(table)
+
+    def _mine(self, embeddings: Any, labels: Any, owner: str) -> np.ndarray:
+        from pksampler.train.mining import class_neighbours
+
+        if hasattr(labels, "detach") and hasattr(labels, "cpu"):
+            labels = labels.detach().cpu().numpy()
+        labels = np.asarray(labels)
+        rows = np.shape(embeddings)[0] if np.ndim(embeddings) >= 1 else 0
+        if labels.shape != (rows,):
+            raise ValueError(f"{owner}(labels=) must have shape ({rows},), one label per embedding row, got {labels.shape}")
+        codes, known = self.index.codes_of(labels)
+        if not known.all():
+            unknown = labels[~known][:3].tolist()
+            raise ValueError(
+                f"{owner}(labels=) has labels the sampler does not know, e.g. {unknown}: "
+                "the class-neighbour table must come from the sampler's labels"
+            )
+        try:
+            return class_neighbours(embeddings, codes, self.index.num_classes, self.hard_classes)
+        except ValueError as error:
+            raise ValueError(f"{owner}: {error}") from None
 
     def _rank_steps(self, epoch: int, start: int, stop: int) -> np.ndarray:
         hard = self.negatives == "hard"
@@ -200,8 +170,21 @@ class _TripletPlan(StepPlanSampler):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume a saved run; every saved neighbour table is validated like :meth:`set_class_neighbours`."""
+        owner = f"{self._owner}.load_state_dict"
+        saved = state.get("neighbour_tables", []) if isinstance(state, dict) else []
+        if not isinstance(saved, (list, tuple)):
+            raise TypeError(f"{owner}: state['neighbour_tables'] must be a list of (epoch, table) pairs, got {type(saved).__name__}")
+        tables = []
+        for position, entry in enumerate(saved):
+            if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+                raise ValueError(f"{owner}: state['neighbour_tables'][{position}] must be an (epoch, table) pair")
+            first = check_int(f"state['neighbour_tables'][{position}][0]", entry[0], minimum=0, owner=owner)
+            table = check_neighbour_table(entry[1], self.index.num_classes, self.hard_classes,
+                                          owner=f"{owner}(state['neighbour_tables'][{position}])")
+            tables.append((first, table))
         super().load_state_dict(state)
-        self._tables = [(int(first), np.asarray(table, dtype=np.int64)) for first, table in state.get("neighbour_tables", [])]
+        self._tables = tables
 
 
 class DistributedTripletSampler(_TripletPlan, Sampler[int]):
@@ -224,7 +207,8 @@ class DistributedTripletSampler(_TripletPlan, Sampler[int]):
         num_replicas, rank: world size and rank; detected when None.
         seed: base seed (randomness keyed by seed and epoch).
         negatives: ``"random"`` or ``"hard"``.
-        hard_classes: nearest classes kept per class for hard negatives.
+        hard_classes: nearest classes kept per class for hard negatives, at
+            most ``num_classes - 1`` with ``negatives="hard"`` (unused otherwise).
         hard_fraction: share of negatives drawn from them.
 
     Corner cases: classes with one sample are never anchors (they can be
@@ -237,6 +221,7 @@ class DistributedTripletSampler(_TripletPlan, Sampler[int]):
             sampler.set_epoch(epoch)
             train_one_epoch(DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size))
             sampler.update_class_neighbours(embed(train_set), train_set.labels)
+            # or, mining elsewhere: sampler.set_class_neighbours(table)
     """
 
     def __iter__(self) -> Iterator[int]:

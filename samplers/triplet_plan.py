@@ -24,6 +24,7 @@ Work and memory per rank are O(N/W) beyond the one-off O(N) anchor list.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,7 @@ from ._labels import ClassIndex
 from ._permute import keyed_permute, mix64
 from .pk_plan import epoch_rng
 
-__all__ = ["AnchorIndex", "anchor_index", "count_triplet_steps", "triplet_batches"]
+__all__ = ["AnchorIndex", "anchor_index", "check_neighbour_table", "count_triplet_steps", "triplet_batches"]
 
 _SALT_POSITIVE = np.uint64(0x243F6A8885A308D3)
 _SALT_NEG_CLASS = np.uint64(0x13198A2E03707344)
@@ -68,6 +69,33 @@ def anchor_index(index: ClassIndex) -> AnchorIndex:
     flat = np.arange(classes.size, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)
     members = index.members[starts + flat]
     return AnchorIndex(members=members, classes=classes, within=flat.astype(index.members.dtype))
+
+
+def check_neighbour_table(table: Any, num_classes: int, hard_classes: int, *, owner: str) -> np.ndarray:
+    """Return ``table`` as int64 ``(C, hard_classes)`` or raise naming the rule it breaks.
+
+    Rules: shape ``(num_classes, hard_classes)``; integer dtype; values in
+    ``[-1, num_classes)`` (``-1``: no neighbour); a row never names its own
+    class (that would make negatives from the anchor's class).
+    """
+    if hasattr(table, "detach") and hasattr(table, "cpu"):
+        table = table.detach().cpu().numpy()
+    array = np.asarray(table)
+    if array.shape != (num_classes, hard_classes):
+        raise ValueError(f"{owner}: the neighbour table must have shape (num_classes, hard_classes) = "
+                         f"({num_classes}, {hard_classes}), got {array.shape}")
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{owner}: the neighbour table must hold integer class codes, got dtype {array.dtype}")
+    if array.size and (array.min() < -1 or array.max() >= num_classes):
+        raise ValueError(f"{owner}: neighbour table values must lie in [-1, num_classes={num_classes}), "
+                         f"got [{array.min()}, {array.max()}]")
+    array = array.astype(np.int64)
+    own = array == np.arange(num_classes)[:, None]
+    if own.any():
+        row = int(np.flatnonzero(own.any(axis=1))[0])
+        raise ValueError(f"{owner}: neighbour table row {row} names its own class {row}; "
+                         "a row must list other classes only (negatives come from other classes)")
+    return array
 
 
 def count_triplet_steps(anchors: AnchorIndex, triplets_per_step: int) -> int:

@@ -21,7 +21,8 @@ def make_labels(kind: str, num_classes: int, num_samples: int, seed: int) -> np.
     elif kind == "small":  # many classes smaller than K
         labels = rng.integers(0, num_classes, max(num_classes, num_samples // 4))
     elif kind == "dominant":  # one class holds most of the data
-        labels = np.where(rng.random(num_samples) < 0.7, 0, rng.integers(1, num_classes, num_samples))
+        others = rng.integers(1, num_classes, num_samples) if num_classes > 1 else np.zeros(num_samples, np.int64)
+        labels = np.where(rng.random(num_samples) < 0.7, 0, others)
     else:
         raise ValueError(kind)
     labels = np.concatenate([np.arange(num_classes), labels])  # every class present
@@ -62,8 +63,6 @@ def check_disjoint_across_ranks(per_rank: list[np.ndarray], labels: np.ndarray) 
     """Guarantee 2 and 3: equal lengths; no class on two ranks within a step."""
     lengths = {b.shape[0] for b in per_rank}
     assert len(lengths) == 1, f"ranks have different numbers of batches: {[b.shape[0] for b in per_rank]}"
-    if not per_rank[0].shape[0]:
-        return
     step_classes = np.concatenate([labels[b] for b in per_rank], axis=1)
     for step, row in enumerate(step_classes):
         distinct_classes = np.unique(row).size
@@ -87,3 +86,34 @@ def check_within_class_balance(indices: np.ndarray, labels: np.ndarray) -> None:
         members = np.flatnonzero(labels == cls)
         spread = counts[members].max() - counts[members].min()
         assert spread <= 1, f"class {cls}: index counts range over {spread + 1} values"
+
+
+# --- triplets ---------------------------------------------------------------------
+
+
+def check_triplets(plan: np.ndarray, labels: np.ndarray) -> None:
+    """Every triple (a, p, n): p is another sample of a's class, n is from another class."""
+    assert plan.ndim == 3 and plan.shape[2] == 3, f"triplet plan shape {plan.shape}, expected (steps, T, 3)"
+    a, p, n = plan[..., 0], plan[..., 1], plan[..., 2]
+    assert (labels[a] == labels[p]).all(), "a positive is not from its anchor's class"
+    assert (a != p).all(), "a positive is its own anchor"
+    assert (labels[n] != labels[a]).all(), "a negative is from its anchor's class"
+
+
+def check_triplet_ranks(per_rank: list[np.ndarray]) -> None:
+    """Equal numbers of batches on every rank; no anchor twice in one global step."""
+    lengths = [p.shape[0] for p in per_rank]
+    assert len(set(lengths)) == 1, f"ranks have different numbers of batches: {lengths}"
+    anchors = np.sort(np.concatenate([p[..., 0] for p in per_rank], axis=1), axis=1)
+    assert (anchors[:, 1:] != anchors[:, :-1]).all(), "an anchor is used twice in one step"
+
+
+def check_anchor_coverage(per_rank: list[np.ndarray], labels: np.ndarray, per_step: int) -> None:
+    """Every sample of a class with >= 2 samples is an anchor once per epoch, up to the remainder."""
+    anchors = np.concatenate([p[..., 0].reshape(-1) for p in per_rank])
+    sizes = np.bincount(labels)
+    eligible = sizes[labels] >= 2
+    assert anchors.size == (int(eligible.sum()) // per_step) * per_step, "wrong number of anchors in the epoch"
+    counts = np.bincount(anchors, minlength=labels.size)
+    assert counts.max(initial=0) <= 1, "an anchor is used twice in one epoch"
+    assert not counts[~eligible].any(), "a class with one sample served as anchor"

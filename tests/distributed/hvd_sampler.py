@@ -3,12 +3,15 @@
 Checks on every rank, with allgather: the ranks' batches are P x K, disjoint
 per step, equal in number and together equal to the single-process plan; the
 consistency check passes; a seed that differs on one rank makes the check
-raise on every rank (no hang).
+raise on every rank (no hang). The triplet sampler's batches pass the shared
+triplet invariants and its neighbour table, mined on rank 0, reaches every
+rank through pksampler.comm.
 """
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import horovod.torch as hvd
 import numpy as np
@@ -16,12 +19,44 @@ import torch
 
 from pksampler.samplers import (
     DistributedBalancedBatchSampler,
+    DistributedTripletBatchSampler,
     SamplerMismatchError,
     balanced_plan,
     check_consistent,
     group_labels,
     world_info,
 )
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared invariant checkers
+from sampler_invariants import (  # noqa: E402
+    check_disjoint_across_ranks,
+    check_rank_batches,
+    check_triplet_ranks,
+    check_triplets,
+    check_world_invariance,
+)
+
+
+def check_triplets_on_real_ranks(labels: np.ndarray, rank: int) -> None:
+    """Triplet invariants across ranks, and a neighbour table mined on rank 0 reaching every rank.
+
+    Only rank 0's embeddings count (the others pass noise), so equal tables
+    on every rank prove the broadcast through pksampler.comm.
+    """
+    sampler = DistributedTripletBatchSampler(labels, 5, seed=3, negatives="hard", hard_classes=2)
+    centres = np.random.default_rng(0).normal(size=(97, 8))
+    noise = np.random.default_rng(100 + rank).normal(size=(labels.size, 8))
+    embeddings = centres[labels] if rank == 0 else noise
+    table = sampler.update_class_neighbours(embeddings, labels)
+    tables = hvd.allgather(torch.from_numpy(table)[None]).numpy()
+    assert (tables == tables[0]).all(), "ranks hold different neighbour tables"
+    sampler.set_epoch(1)
+    check_consistent(sampler)
+    mine = torch.tensor(np.array(list(sampler)), dtype=torch.int64).reshape(-1, 5, 3)
+    everyone = [rows.numpy() for rows in hvd.allgather(mine[None])]
+    for plan in everyone:
+        check_triplets(plan, labels)
+    check_triplet_ranks(everyone)
 
 
 def main() -> None:
@@ -34,13 +69,13 @@ def main() -> None:
     sampler.set_epoch(2)
     check_consistent(sampler)
     mine = torch.tensor(np.array(list(sampler)), dtype=torch.int64)
-    everyone = hvd.allgather(mine[None])  # (W, steps, P*K)
-    merged = torch.cat(list(everyone), dim=1).numpy()
+    everyone = [rows.numpy() for rows in hvd.allgather(mine[None])]  # W arrays (steps, P*K)
     single = balanced_plan(group_labels(labels), 4 * size, 3, 1, 0, seed=11, epoch=2)
-    assert np.array_equal(np.sort(merged, axis=1), np.sort(single, axis=1)), "not world-size invariant"
-    for row in labels[merged]:
-        chunks = row.reshape(-1, 3)
-        assert (chunks == chunks[:, :1]).all() and np.unique(chunks[:, 0]).size == chunks.shape[0]
+    for batches in everyone:
+        check_rank_batches(batches, labels, 4, 3)
+    check_disjoint_across_ranks(everyone, labels)
+    check_world_invariance(everyone, single)
+    check_triplets_on_real_ranks(labels, rank)
 
     bad = DistributedBalancedBatchSampler(labels, 4, 3, seed=11 + rank)
     try:

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from sampler_invariants import (
     check_disjoint_across_ranks,
@@ -51,10 +51,7 @@ def all_ranks(cfg: dict, *, world: int | None = None, per_rank: int | None = Non
 def test_every_rank_batch_is_p_by_k_and_ranks_are_disjoint(cfg, small_classes, weighting):
     labels = cfg["labels"]
     sizes = np.bincount(labels)
-    if small_classes == "drop" and (sizes >= cfg["K"]).sum() < cfg["world"] * cfg["P"]:
-        with pytest.raises(ValueError, match="eligible"):
-            all_ranks(cfg, small_classes=small_classes, class_weighting=weighting)
-        return
+    assume(small_classes == "repeat" or (sizes >= cfg["K"]).sum() >= cfg["world"] * cfg["P"])
     plans = all_ranks(cfg, small_classes=small_classes, class_weighting=weighting)
     for batches in plans:
         check_rank_batches(batches, labels, cfg["P"], cfg["K"])
@@ -271,7 +268,8 @@ def test_string_labels_and_datasets_with_targets():
         ({"classes_per_batch": 6}, ValueError, r"needs num_replicas \* classes_per_batch = 12 distinct classes, but the labels have 10 eligible"),
         ({"labels": np.zeros((4, 2))}, ValueError, r"labels=\) must be 1-D.*shape \(4, 2\)"),
         ({"labels": []}, ValueError, r"labels=\) is empty"),
-        ({"labels": [0.5, 1.0]}, ValueError, r"not whole numbers"),
+        ({"labels": [0.5, 1.0]}, ValueError, r"float label 0.5 at index 0; float labels must be finite whole numbers"),
+        ({"classes_per_batch": 6, "small_classes": "drop", "samples_per_class": 11}, ValueError, r"0 eligible"),
     ],
 )
 def test_bad_input_names_argument_value_and_rule(kwargs, error, match):
@@ -296,3 +294,81 @@ def test_pure_plan_matches_sampler():
         sampler.set_epoch(2)
         plan = balanced_plan(index, 2, 3, 3, rank, seed=4, epoch=2)
         assert np.array_equal(plan, np.array(list(sampler)))
+
+
+# --- hardened inputs -------------------------------------------------------------
+
+
+def test_dataset_without_labels_is_refused_without_loading_a_sample():
+    class Images:
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):  # pragma: no cover - must never be called
+            raise AssertionError("the sampler loaded a sample")
+
+    with pytest.raises(TypeError, match=r"labels=\) got a Images without a .labels or .targets attribute.*pass labels="):
+        DistributedBalancedSampler(Images(), 2, 2, num_replicas=1, rank=0)
+
+
+@pytest.mark.parametrize(
+    ("labels", "match"),
+    [
+        (np.array([0.0, 1.0, 2.0**63, 2.0**64] * 5), r"float label 9.223372036854776e\+18 at index 2.*below 2\*\*63"),
+        (np.array([0.0, 1.0, np.inf] * 5), r"float label inf at index 2"),
+        (np.array([0.0, np.nan, 1.0] * 5), r"float label nan at index 1"),
+        (["mug", float("nan"), "shoe"] * 5, r"missing label \(nan\) at index 1"),
+        (["mug", None, "shoe"] * 5, r"missing label \(None\) at index 1"),
+        (np.array(["mug", None, "shoe"] * 5, dtype=object), r"missing label \(None\) at index 1"),
+    ],
+)
+def test_labels_that_are_not_exact_classes_are_refused(labels, match):
+    with pytest.raises(ValueError, match=match):
+        DistributedBalancedSampler(labels, 1, 1, num_replicas=1, rank=0)
+
+
+def test_unhashable_labels_name_the_argument():
+    labels = np.empty(6, dtype=object)
+    labels[:] = [[0], [1], {"a": 1}, [0], [1], {"a": 1}]
+    with pytest.raises(TypeError, match=r"DistributedBalancedSampler\(labels=\) must hold hashable class labels"):
+        DistributedBalancedSampler(labels, 1, 1, num_replicas=1, rank=0)
+
+
+def test_large_whole_floats_stay_distinct_classes():
+    labels = np.array([2.0**62, 2.0**62 + 2**11, 3.0] * 4)
+    sampler = DistributedBalancedBatchSampler(labels, 3, 2, num_replicas=1, rank=0)
+    assert sampler.index.num_classes == 3
+    check_rank_batches(np.array(list(sampler)), labels, 3, 2)
+
+
+@pytest.mark.parametrize("k", [10**9, 2**70])
+def test_samples_per_class_is_bounded_by_the_data(k):
+    with pytest.raises(ValueError, match=r"samples_per_class=\) must be at most 16 x the largest class size = 160, got"):
+        DistributedBalancedSampler(np.arange(100) % 10, 2, k, num_replicas=1, rank=0)
+    DistributedBalancedSampler(np.arange(100) % 10, 2, 160, num_replicas=1, rank=0)  # the bound itself is fine
+
+
+@pytest.mark.parametrize("value", [2**63, 2**64 + 5])
+def test_seeds_and_epochs_outside_int64_are_refused(value):
+    with pytest.raises(ValueError, match=r"seed=\) must be in \[0, 2\*\*63\).*got " + str(value)):
+        DistributedBalancedSampler(np.arange(100) % 10, 2, 2, num_replicas=1, rank=0, seed=value)
+    sampler = DistributedBalancedSampler(np.arange(100) % 10, 2, 2, num_replicas=1, rank=0, seed=2**63 - 1)
+    with pytest.raises(ValueError, match=r"epoch=\) must be in \[0, 2\*\*63\)"):
+        sampler.set_epoch(value)
+    state = sampler.state_dict()
+    state["epoch"] = value
+    with pytest.raises(ValueError, match=r"state\['epoch'\]=\) must be in \[0, 2\*\*63\)"):
+        sampler.load_state_dict(state)
+
+
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "small"])
+def test_grouping_matches_np_unique_and_a_stable_sort(kind):
+    labels = make_labels(kind, 70_000, 200_000, seed=2) * 3 - 7  # > 2**16 classes: two radix passes
+    index = group_labels(labels)
+    values, codes = np.unique(labels, return_inverse=True)
+    assert np.array_equal(index.classes, values)
+    assert np.array_equal(index.members, np.argsort(codes, kind="stable"))
+    assert np.array_equal(index.sizes, np.bincount(codes))
+    assert index.members.dtype == index.offsets.dtype == np.int32
+    sparse = group_labels(labels.astype(np.int64) * 10**9)  # the np.unique path
+    assert np.array_equal(sparse.members, index.members) and sparse.fingerprint != index.fingerprint

@@ -7,9 +7,9 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
-from sampler_invariants import make_labels
+from sampler_invariants import check_anchor_coverage, check_triplet_ranks, check_triplets, make_labels
 
 from pksampler.samplers import (
     DistributedTripletBatchSampler,
@@ -52,42 +52,25 @@ def has_enough_anchors(cfg: dict) -> bool:
 
 @given(triplet_configs())
 def test_triples_are_valid_and_ranks_disjoint_with_equal_lengths(cfg):
-    labels = cfg["labels"]
     if not has_enough_anchors(cfg):
         with pytest.raises(ValueError, match="not enough anchors"):
             rank_plans(cfg)
-        return
-    plans = rank_plans(cfg)
-    assert len({p.shape[0] for p in plans}) == 1
-    for plan in plans:
-        a, p, n = plan[..., 0], plan[..., 1], plan[..., 2]
-        assert (labels[a] == labels[p]).all() and (a != p).all()
-        assert (labels[n] != labels[a]).all()
-    anchors = np.concatenate([p[..., 0] for p in plans], axis=1)
-    for row in anchors:
-        assert np.unique(row).size == row.size, "an anchor is used twice in one step"
+    else:
+        plans = rank_plans(cfg)
+        for plan in plans:
+            check_triplets(plan, cfg["labels"])
+        check_triplet_ranks(plans)
 
 
 @given(triplet_configs(max_world=8))
 def test_every_anchor_once_per_epoch_up_to_the_remainder(cfg):
-    if not has_enough_anchors(cfg):
-        return
-    labels = cfg["labels"]
-    plans = rank_plans(cfg)
-    anchors = np.concatenate([p[..., 0].reshape(-1) for p in plans])
-    sizes = np.bincount(labels)
-    eligible = np.flatnonzero(sizes[labels] >= 2)
-    per_step = cfg["world"] * cfg["T"]
-    assert anchors.size == (eligible.size // per_step) * per_step
-    counts = np.bincount(anchors, minlength=labels.size)
-    assert counts.max() <= 1 and counts[eligible].sum() == anchors.size
-    assert not counts[sizes[labels] < 2].any(), "a class with one sample served as anchor"
+    assume(has_enough_anchors(cfg))
+    check_anchor_coverage(rank_plans(cfg), cfg["labels"], cfg["world"] * cfg["T"])
 
 
 @given(triplet_configs())
 def test_world_size_invariance(cfg):
-    if not has_enough_anchors(cfg):
-        return
+    assume(has_enough_anchors(cfg))
     merged = np.concatenate(rank_plans(cfg), axis=1)
     single = rank_plans(cfg, world=1, per_rank=cfg["world"] * cfg["T"])[0]
     assert np.array_equal(merged, single)
@@ -183,3 +166,66 @@ def test_bad_neighbour_updates():
         sampler.update_class_neighbours(bad, labels)
     with pytest.raises(ValueError, match=r"labels=\) must have shape \(240,\)"):
         sampler.update_class_neighbours(embeddings, labels[:10])
+
+
+# --- neighbour tables ------------------------------------------------------------
+
+
+def test_set_class_neighbours_takes_a_plain_table_from_the_next_epoch():
+    labels = np.repeat(np.arange(6), 10)
+    sampler = DistributedTripletBatchSampler(labels, 4, num_replicas=1, rank=0, negatives="hard",
+                                             hard_classes=1, hard_fraction=1.0)
+    table = np.array([[1], [0], [3], [2], [5], [4]])
+    sampler.set_class_neighbours(table)
+    assert sampler.neighbours(0) is None and np.array_equal(sampler.neighbours(1), table)
+    sampler.set_epoch(1)
+    triples = np.array(list(sampler)).reshape(-1, 3)
+    assert np.array_equal(labels[triples[:, 2]], table[labels[triples[:, 0]], 0])
+
+
+def _tampered(table: np.ndarray) -> list:
+    own, high, low = table.copy(), table.copy(), table.copy()
+    own[2, 0], high[0, 1], low[0, 1] = 2, 12, -2
+    return [
+        (own, ValueError, r"row 2 names its own class 2"),
+        (table[:, :1], ValueError, r"shape \(num_classes, hard_classes\) = \(12, 2\), got \(12, 1\)"),
+        (table.astype(np.float64), TypeError, r"integer class codes, got dtype float64"),
+        (high, ValueError, r"values must lie in \[-1, num_classes=12\), got \[.*12\]"),
+        (low, ValueError, r"values must lie in \[-1, num_classes=12\), got \[-2"),
+    ]
+
+
+def test_neighbour_tables_are_validated_on_set_and_on_load():
+    embeddings, labels = planted_embeddings()
+    sampler = DistributedTripletBatchSampler(labels, 4, num_replicas=1, rank=0, negatives="hard", hard_classes=2)
+    table = sampler.update_class_neighbours(embeddings, labels)
+    for bad, error, match in _tampered(table):
+        with pytest.raises(error, match=match):
+            sampler.set_class_neighbours(bad)
+        state = sampler.state_dict()
+        state["neighbour_tables"] = [(1, bad)]
+        fresh = DistributedTripletBatchSampler(labels, 4, num_replicas=1, rank=0, negatives="hard", hard_classes=2)
+        with pytest.raises(error, match=match):
+            fresh.load_state_dict(state)
+        assert fresh.neighbours(5) is None, "a refused state was partly loaded"
+
+
+@pytest.mark.parametrize("hard_classes", [12, 10**9, 2**70])
+def test_hard_classes_is_bounded_by_the_number_of_other_classes(hard_classes):
+    with pytest.raises(ValueError, match=r"hard_classes=\) must be at most the number of other classes, num_classes - 1 = 11"):
+        DistributedTripletSampler(np.arange(120) % 12, 2, num_replicas=1, rank=0, negatives="hard", hard_classes=hard_classes)
+
+
+def test_mining_is_train_side_numpy_in_numpy_out():
+    from pksampler.train.mining import class_neighbours
+
+    embeddings, labels = planted_embeddings()
+    table = class_neighbours(embeddings, labels, 12, 3)
+    assert table.shape == (12, 3) and table.dtype == np.int64
+    assert table[0, 0] == 1 and (table != np.arange(12)[:, None]).all()
+    partial = class_neighbours(embeddings[labels < 3], labels[labels < 3], 12, 3)
+    assert (partial[3:] == -1).all() and (partial[:3, 2] == -1).all()  # only two other classes have embeddings
+    with pytest.raises(ValueError, match=r"codes=\) must lie in \[0, num_classes=12\)"):
+        class_neighbours(embeddings, labels + 1, 12, 3)
+    with pytest.raises(ValueError, match=r"hard_classes=\) must be an int in \[1, num_classes - 1 = 11\]"):
+        class_neighbours(embeddings, labels, 12, 12)
