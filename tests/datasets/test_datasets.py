@@ -79,7 +79,7 @@ def test_corrupt_file_error_names_path_and_skip_option_counts(folder):
     root, _ = folder
     bad = root / "cup" / "9.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    dataset = ImageFolderDataset(root)
+    dataset = ImageFolderDataset(root, on_bad="raise")
     index = dataset.paths.index(str(bad))
     with pytest.raises(ImageLoadError, match="9.png"):
         dataset[index]
