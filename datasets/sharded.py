@@ -229,9 +229,20 @@ class ShardedDataset(LabelledDataset):
             pass
 
     def __getstate__(self) -> dict[str, Any]:
+        """Pickle (e.g. for spawned DataLoader workers) without file handles or the arrays' contents.
+
+        A pickled ``np.memmap`` carries its whole data; the receiving process
+        maps the files again instead.
+        """
         state = dict(self.__dict__)
         state["_handles"] = OrderedDict()
+        state["index"] = state["labels"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.index, self.labels = _open_index(self.root, self.manifest, verify=False)
+        self._pid = os.getpid()
 
 
 def _inside(root: Path, name: str) -> Path:

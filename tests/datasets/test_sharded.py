@@ -83,6 +83,18 @@ def test_sharded_dataloader_workers_and_sampler(demo_folder, demo_shards):
         assert xs.shape == (16, 3, 32, 32) and torch.equal(ys, yf) and torch.equal(xs, xf)
 
 
+def test_pickles_without_the_index_and_reads_after_unpickling(demo_shards):
+    import pickle
+
+    dataset = ShardedDataset(demo_shards, decode_size=32)
+    dataset.read_bytes(3)
+    blob = pickle.dumps(dataset)
+    assert len(blob) < 64 * 1024  # the manifest and counters, not the index or labels arrays
+    copy = pickle.loads(blob)
+    assert isinstance(copy.labels, np.memmap) and np.array_equal(copy.labels, dataset.labels)
+    assert copy.read_bytes(3) == dataset.read_bytes(3) and copy.decode_size == 32
+
+
 def test_shards_readable_by_webdataset_and_tarfile(demo_folder, demo_shards):
     wds = pytest.importorskip("webdataset")
     folder = ImageFolderDataset(demo_folder)
