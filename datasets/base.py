@@ -44,6 +44,16 @@ def _check_policy(owner: str, on_bad: str) -> str:
     return on_bad
 
 
+def check_decoding(owner: str, decode_size: int | None, max_pixels: int) -> tuple[int | None, int]:
+    """Validate the ``decode_size=`` and ``max_pixels=`` arguments every image dataset takes."""
+    if decode_size is not None and (isinstance(decode_size, bool) or not isinstance(decode_size, int)
+                                    or decode_size < 1):
+        raise ValueError(f"{owner}(decode_size=) must be a positive int or None, got {decode_size!r}")
+    if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
+        raise ValueError(f"{owner}(max_pixels=) must be a positive int, got {max_pixels!r}")
+    return decode_size, max_pixels
+
+
 class LabelledDataset(Dataset):
     """A map-style dataset with an int64 ``labels`` array, epoch-keyed augmentation and a bad-image policy.
 
@@ -183,13 +193,7 @@ class ImageFileDataset(LabelledDataset):
         return self.paths[index]
 
     def _set_decoding(self, decode_size: int | None, max_pixels: int) -> None:
-        owner = type(self).__name__
-        if decode_size is not None and (isinstance(decode_size, bool) or not isinstance(decode_size, int)
-                                        or decode_size < 1):
-            raise ValueError(f"{owner}(decode_size=) must be a positive int or None, got {decode_size!r}")
-        if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
-            raise ValueError(f"{owner}(max_pixels=) must be a positive int, got {max_pixels!r}")
-        self.decode_size, self.max_pixels = decode_size, max_pixels
+        self.decode_size, self.max_pixels = check_decoding(type(self).__name__, decode_size, max_pixels)
 
     def _drop_unreadable(self, where: str) -> None:
         """Decode every file and leave out those that fail, with a warning counting them."""

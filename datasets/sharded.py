@@ -33,7 +33,7 @@ from PIL import Image
 from pksampler.files import atomic_write_text, atomic_writer
 
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
-from .base import LabelledDataset
+from .base import LabelledDataset, check_decoding
 
 __all__ = [
     "FORMAT_NAME",
@@ -152,12 +152,10 @@ class ShardedDataset(LabelledDataset):
                  on_bad: str = "replace", decode_size: int | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
                  verify_index: bool = False, max_open_shards: int = 64) -> None:
         super().__init__(transform, seed=seed, on_bad=on_bad)
-        if decode_size is not None and (isinstance(decode_size, bool) or not isinstance(decode_size, int)
-                                        or decode_size < 1):
-            raise ValueError(f"ShardedDataset(decode_size=) must be a positive int or None, got {decode_size!r}")
+        self.decode_size, self.max_pixels = check_decoding("ShardedDataset", decode_size, max_pixels)
         if isinstance(max_open_shards, bool) or not isinstance(max_open_shards, int) or max_open_shards < 1:
             raise ValueError(f"ShardedDataset(max_open_shards=) must be a positive int, got {max_open_shards!r}")
-        self.decode_size, self.max_pixels, self.max_open_shards = decode_size, max_pixels, max_open_shards
+        self.max_open_shards = max_open_shards
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ShardedDataset(root=) is not a directory: {self.root}")

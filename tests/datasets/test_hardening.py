@@ -81,6 +81,10 @@ def test_bad_arguments_name_the_rule(tmp_path):
         ImageFolderDataset(tmp_path / "d", decode_size=-3)
     with pytest.raises(ValueError, match=r"on_bad=\) must be one of .*got 'skip'"):
         ImageFolderDataset(tmp_path / "d", on_bad="skip")
+    from pksampler.datasets import ShardedDataset
+
+    with pytest.raises(ValueError, match=r"ShardedDataset\(max_pixels=\) must be a positive int, got True"):
+        ShardedDataset(tmp_path / "d", max_pixels=True)
 
 
 # --- draft decoding --------------------------------------------------------------------------------
