@@ -8,7 +8,9 @@ Run: .venv/bin/python benchmarks/loader_throughput.py [--images 100000] [--workd
    in [--min-side, --max-side] (default 256-512), since rendering at full size costs ~0.15 s an
    image. Then packs the folder into shards (``pksampler.datasets.pack``). Data lives in a
    temporary folder, or in ``--workdir`` (kept, and reused by the next run), never in the repo.
-2. Reads one epoch's first ``--batches`` P x K batches (balanced batch sampler, W=1, P=32, K=4)
+2. Read + decode alone (``dataset.load(i)``, no transform, one process) over the sampler's
+   index stream, in interleaved rounds of 100 images per case; the median rate per case.
+   Then the full pipeline: reads one epoch's first ``--batches`` P x K batches (balanced batch sampler, W=1, P=32, K=4)
    through a DataLoader with 2 workers and the training transform at 224 px, for: the folder,
    the shards, the shards with ``decode_size=224`` (Pillow draft mode), and the folder with
    draft mode. Runs are interleaved and repeated; the medians are reported, with each
@@ -139,6 +141,27 @@ def simulate(n: int, per_class: int, image_bytes: int, world: int, p: int) -> No
     _report_ranks(stats, world, starts.size - 1)
 
 
+def read_decode_rates(cases: dict, indices: np.ndarray, rounds: int, per_round: int) -> dict[str, float]:
+    """Images/s of ``load(i)`` (read + decode, no transform) in this process: median over interleaved rounds.
+
+    Each round times the next ``per_round`` indices of the sampler's stream for
+    every case, in a rotating order, so load on a shared machine hits every
+    case alike; the median over rounds discards the disturbed ones.
+    """
+    datasets = {name: make() for name, make in cases.items()}
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
+    for round_ in range(rounds):
+        chunk = indices[(round_ * per_round) % indices.size:][:per_round].tolist()
+        for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+            load = datasets[name].load
+            started = time.perf_counter()
+            for index in chunk:
+                load(index)
+            rates[name].append(len(chunk) / (time.perf_counter() - started))
+    return {name: statistics.median(values) for name, values in rates.items()}
+
+
 def measure_all(folder: Path, shards: Path, batches: int, repeats: int, workers: int) -> dict[str, list[float]]:
     from pksampler.datasets import ImageFolderDataset, ShardedDataset, train_preset
 
@@ -149,6 +172,14 @@ def measure_all(folder: Path, shards: Path, batches: int, repeats: int, workers:
         "shards+draft": lambda: ShardedDataset(shards, transform=transform, decode_size=TRAIN_SIZE),
         "folder+draft": lambda: ImageFolderDataset(folder, transform=transform, decode_size=TRAIN_SIZE),
     }
+    from pksampler import DistributedBalancedBatchSampler
+
+    labels = np.asarray(cases["shards"]().labels)
+    stream = np.concatenate([np.asarray(b) for b in DistributedBalancedBatchSampler(
+        labels, P_THROUGHPUT, K, num_replicas=1, rank=0, seed=0)])
+    decode = read_decode_rates(cases, stream, rounds=max(3 * repeats, 9), per_round=100)
+    for name, rate in decode.items():
+        print(f"read+decode  {name:13s} {rate:7.0f} images/s  ({rate / decode['folder']:.2f}x folder)")
     results: dict[str, list[float]] = {name: [] for name in cases}
     for repeat in range(repeats):
         order = list(cases)[repeat % len(cases):] + list(cases)[:repeat % len(cases)]
