@@ -237,6 +237,10 @@ def run(args: argparse.Namespace, work: Path) -> None:
     for name, rate in median.items():
         print(f"{name:13s} {rate:7.0f} images/s  ({rate / median['folder']:.2f}x folder)")
     dataset = ShardedDataset(shards)
+    if dataset.num_classes < WORLD_RANKS * P_RANKS:
+        print(f"per-rank reads at W={WORLD_RANKS} need {WORLD_RANKS * P_RANKS} classes, the set has "
+              f"{dataset.num_classes}: skipped (use more --images or fewer --per-class)")
+        return
     stats = per_rank_reads(np.asarray(dataset.labels), np.asarray(dataset.index["shard"]),
                            np.asarray(dataset.index["size"], dtype=np.int64), WORLD_RANKS, P_RANKS)
     _report_ranks(stats, WORLD_RANKS, len(manifest["shards"]))
