@@ -6,10 +6,11 @@ Every dataset exposes ``labels`` (int64, built without decoding an image), so
 
 from __future__ import annotations
 
-from ._image import ImageLoadError, load_rgb
+from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
 from .base import LabelledDataset, LabelledSubset
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
+from .sharded import ShardedDataset
 from .split import class_disjoint_split
 from .synthetic import SyntheticProducts, render_product
 from .transforms import eval_preset, sample_rng, train_preset
@@ -20,6 +21,8 @@ __all__ = [
     "LabelledDataset",
     "LabelledSubset",
     "ListFileDataset",
+    "MAX_IMAGE_PIXELS",
+    "ShardedDataset",
     "SyntheticProducts",
     "class_disjoint_split",
     "eval_preset",

@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from ._image import IMAGE_EXTENSIONS
+from ._image import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS
 from .base import ImageFileDataset
 
 __all__ = ["ImageFolderDataset"]
@@ -29,31 +29,48 @@ class ImageFolderDataset(ImageFileDataset):
         seed: augmentation seed (per-sample generators keyed by seed, epoch, index).
         skip_bad: decode every file at scan time and leave out unreadable ones,
             with a warning that counts them (slow: reads every file).
+        on_bad: ``"replace"`` (default) or ``"raise"``: what a bad image does at load time
+            (see :class:`~pksampler.datasets.base.LabelledDataset`).
+        decode_size: decode JPEGs in Pillow's draft mode at no less than this side
+            (set it to the training size; None decodes at full size).
+        max_pixels: images declaring more pixels are bad images (decompression bombs).
+
+    Entries that cannot be examined (a symlink loop, a dangling link, a folder
+    reached twice through links) are left out with a warning naming their paths.
 
     Attributes:
         labels: int64 class code per sample. classes: folder names. paths: file paths.
     """
 
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None, *, seed: int = 0,
-                 skip_bad: bool = False) -> None:
-        super().__init__(transform, seed=seed)
+                 skip_bad: bool = False, on_bad: str = "replace", decode_size: int | None = None,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+        super().__init__(transform, seed=seed, on_bad=on_bad)
+        self._set_decoding(decode_size, max_pixels)
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ImageFolderDataset(root=) is not a directory: {self.root}")
-        class_dirs = sorted(entry.name for entry in os.scandir(self.root) if entry.is_dir() and not entry.name.startswith("."))
+        skipped: list[str] = []
+        with os.scandir(self.root) as entries:
+            class_dirs = sorted(entry.name for entry in entries
+                                if not entry.name.startswith(".") and _is_dir(entry, skipped))
         if not class_dirs:
             raise ValueError(f"ImageFolderDataset(root=) has no class sub-folders: {self.root}")
         paths: list[str] = []
         labels: list[int] = []
         empty: list[str] = []
+        seen: set[tuple[int, int]] = set()
         for code, name in enumerate(class_dirs):
-            found = _scan_images(self.root / name)
+            found = _scan_images(self.root / name, seen, skipped)
             if not found:
                 empty.append(name)
             paths.extend(found)
             labels.extend([code] * len(found))
         if not paths:
             raise ValueError(f"ImageFolderDataset(root=) has class folders but no image files ({sorted(IMAGE_EXTENSIONS)}): {self.root}")
+        if skipped:
+            warnings.warn(f"ImageFolderDataset: left out {len(skipped)} entr(ies) that cannot be read "
+                          f"(symlink loop, dangling link, folder reached twice): {skipped[:5]}", stacklevel=2)
         if empty:
             warnings.warn(f"ImageFolderDataset: {len(empty)} class folder(s) hold no images, e.g. {empty[:3]}", stacklevel=2)
         self.paths = paths
@@ -63,18 +80,40 @@ class ImageFolderDataset(ImageFileDataset):
             self._drop_unreadable(f"under {self.root}")
 
 
-def _scan_images(folder: Path) -> list[str]:
+def _is_dir(entry: os.DirEntry, skipped: list[str]) -> bool:
+    """``entry.is_dir()``, recording the path instead of raising for a symlink loop (ELOOP) and the like."""
+    try:
+        return entry.is_dir()
+    except OSError as error:
+        skipped.append(f"{entry.path} ({error.strerror or error})")
+        return False
+
+
+def _scan_images(folder: Path, seen: set[tuple[int, int]], skipped: list[str]) -> list[str]:
+    """Image files under ``folder``, sorted; each real folder is walked once (link cycles end)."""
     found: list[str] = []
     stack = [str(folder)]
     while stack:
         current = stack.pop()
-        with os.scandir(current) as entries:
-            for entry in entries:
-                if entry.name.startswith("."):
-                    continue
-                if entry.is_dir():
-                    stack.append(entry.path)
-                elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
-                    found.append(entry.path)
+        try:
+            info = os.stat(current)
+            key = (info.st_dev, info.st_ino)
+            if key in seen:
+                skipped.append(f"{current} (folder already scanned: a link cycle or duplicate)")
+                continue
+            seen.add(key)
+            with os.scandir(current) as entries:
+                for entry in entries:
+                    if entry.name.startswith("."):
+                        continue
+                    if _is_dir(entry, skipped):
+                        stack.append(entry.path)
+                    elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
+                        if entry.is_symlink() and not os.path.exists(entry.path):
+                            skipped.append(f"{entry.path} (dangling or looping link)")
+                            continue
+                        found.append(entry.path)
+        except OSError as error:
+            skipped.append(f"{current} ({error.strerror or error})")
     found.sort()
     return found

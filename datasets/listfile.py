@@ -9,6 +9,7 @@ from typing import Callable
 
 import numpy as np
 
+from ._image import MAX_IMAGE_PIXELS
 from .base import ImageFileDataset
 
 __all__ = ["ListFileDataset", "resolve_under"]
@@ -37,11 +38,17 @@ class ListFileDataset(ImageFileDataset):
     ``labels`` their int64 codes. Relative paths resolve under ``root``
     (default: the list file's folder); a path that escapes ``root`` (``..``,
     an absolute path elsewhere) is refused with an error naming the line.
+    The file must be UTF-8 (a leading byte-order mark is ignored); other bytes
+    are an error naming the file and line. ``skip_bad``, ``on_bad``,
+    ``decode_size`` and ``max_pixels`` are as in ImageFolderDataset.
     """
 
     def __init__(self, list_file: str | os.PathLike, root: str | os.PathLike | None = None,
-                 transform: Callable | None = None, *, seed: int = 0, skip_bad: bool = False) -> None:
-        super().__init__(transform, seed=seed)
+                 transform: Callable | None = None, *, seed: int = 0, skip_bad: bool = False,
+                 on_bad: str = "replace", decode_size: int | None = None,
+                 max_pixels: int = MAX_IMAGE_PIXELS) -> None:
+        super().__init__(transform, seed=seed, on_bad=on_bad)
+        self._set_decoding(decode_size, max_pixels)
         self.list_file = Path(list_file)
         if not self.list_file.is_file():
             raise FileNotFoundError(f"ListFileDataset(list_file=) not found: {self.list_file}")
@@ -75,9 +82,19 @@ def _is_int(text: str) -> bool:
     return True
 
 
+def _read_text(list_file: Path) -> str:
+    """The file as UTF-8 text without a byte-order mark; bad bytes are a ValueError naming file and line."""
+    data = list_file.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ValueError(f"{list_file}:{line}: list files must be UTF-8 text; byte {error.start} "
+                         f"({data[error.start:error.start + 1]!r}) is not ({error.reason})") from None
+
+
 def _read_rows(list_file: Path) -> list[tuple[int, str, str]]:
-    with open(list_file, newline="", encoding="utf-8") as handle:
-        lines = handle.read().splitlines()
+    lines = _read_text(list_file).splitlines()
     first = next((line for line in lines if line.strip()), "")
     header = first.strip().lower().split()
     if header[:4] == ["image_id", "class_id", "super_class_id", "path"]:

@@ -24,6 +24,8 @@ from typing import Callable
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from pksampler.files import atomic_writer
+
 from ._image import load_rgb
 from .base import LabelledDataset
 
@@ -188,9 +190,11 @@ class SyntheticProducts(LabelledDataset):
         images_per_class: views per product.
         image_size: side of the square images in pixels.
         seed: selects the products and views; the same seed gives the same images everywhere.
-        root: if given, the images are written once as PNG files to
-            ``root/<class>/<view>.png`` (an image folder) and read from there;
-            otherwise they are rendered on the fly. Nothing is written outside ``root``.
+        root: the explicit way to write an image folder: if given, the images are
+            written once as PNG files to ``root/<class>/<view>.png`` (each file
+            atomically, through :mod:`pksampler.files`) and read from there. By
+            default (None) nothing is written: images are rendered in memory on
+            the fly (about a millisecond each at 64 px).
         transform: applied to the RGB PIL image (see :mod:`.transforms`).
         augment_seed: seed of the per-sample augmentation generators.
 
@@ -205,7 +209,6 @@ class SyntheticProducts(LabelledDataset):
                                  ("image_size", image_size, 8)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SyntheticProducts({name}=) must be an int >= {low}, got {value!r}")
-        self.num_products = num_classes
         self.images_per_class = images_per_class
         self.image_size = image_size
         self.render_seed = seed
@@ -232,10 +235,8 @@ class SyntheticProducts(LabelledDataset):
             (root / name).mkdir(parents=True, exist_ok=True)
         for index in tqdm(missing, desc=f"rendering SyntheticProducts to {root}", unit="img",
                           disable=len(missing) < 2000, mininterval=1.0):
-            target = self.path(index)
-            temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-            self.render(index).save(temporary, format="PNG")
-            os.replace(temporary, target)
+            with atomic_writer(self.path(index)) as stream:
+                self.render(index).save(stream, format="PNG")
 
     def render(self, index: int) -> Image.Image:
         cls, view = divmod(int(index), self.images_per_class)

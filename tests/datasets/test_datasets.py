@@ -79,7 +79,7 @@ def test_corrupt_file_error_names_path_and_skip_option_counts(folder):
     root, _ = folder
     bad = root / "cup" / "9.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
-    dataset = ImageFolderDataset(root)
+    dataset = ImageFolderDataset(root, on_bad="raise")
     index = dataset.paths.index(str(bad))
     with pytest.raises(ImageLoadError, match="9.png"):
         dataset[index]
@@ -200,3 +200,14 @@ def test_class_disjoint_split_property(labels, fraction, seed):
 def test_split_bad_fraction():
     with pytest.raises(ValueError, match=r"test_fraction=\) must be in \(0, 1\), got 1.5"):
         class_disjoint_split([0, 1, 2], 1.5)
+
+
+def test_normalize_equals_the_torch_formula_and_keeps_dtype():
+    from pksampler.datasets.transforms import Normalize
+
+    tensor = torch.rand(3, 17, 9, generator=torch.Generator().manual_seed(0))
+    normalize = Normalize()
+    mean = torch.tensor(normalize.mean)[:, None, None]
+    std = torch.tensor(normalize.std)[:, None, None]
+    out = normalize(tensor, None)
+    assert out.dtype == torch.float32 and torch.equal(out, (tensor - mean) / std)

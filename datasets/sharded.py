@@ -1,0 +1,304 @@
+"""ShardedDataset: random access by sample index into class-contiguous tar shards (WebDataset layout).
+
+The folder written by ``python -m pksampler.datasets.pack`` holds::
+
+    shard-000000.tar ...   tar files of ``<key>.<ext>`` (image bytes as stored) + ``<key>.cls``
+    index.npy              per sample: shard id (u4), byte offset of the image payload (u8), size (u4)
+    labels.npy             per sample: int64 class code (the samplers read only this)
+    manifest.json          format and version, shard names and sizes, class names and counts,
+                           a fingerprint and a SHA-256 of index.npy + labels.npy
+
+Samples are numbered in shard order and shards are written class by class,
+so sample indices, labels and bytes on disk run in the same order: a chunk of
+K samples of one class is K small positioned reads in one shard.
+
+The index and labels are memory-mapped (``np.load(mmap_mode="r",
+allow_pickle=False)``): opening a 10^8-sample set reads the manifest and two
+array headers, not the arrays.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from PIL import Image
+
+from pksampler.files import atomic_write_text, atomic_writer
+
+from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
+from .base import LabelledDataset, check_decoding
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_DTYPE",
+    "ShardedDataset",
+    "index_fingerprint",
+    "write_index",
+]
+
+FORMAT_NAME = "pksampler-shards"
+FORMAT_VERSION = 1
+INDEX_DTYPE = np.dtype([("shard", "<u4"), ("offset", "<u8"), ("size", "<u4")])
+MANIFEST = "manifest.json"
+INDEX_FILE = "index.npy"
+LABELS_FILE = "labels.npy"
+_SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.tar$")
+_FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of each array file
+
+
+def shard_name(shard: int) -> str:
+    """The file name of shard ``shard``: ``shard-000000.tar``."""
+    return f"shard-{shard:06d}.tar"
+
+
+def _hash_files(paths: Sequence[Path], *, full: bool) -> str:
+    """SHA-256 over the files' sizes and either all their bytes or the first and last MiB of each."""
+    digest = hashlib.sha256()
+    for path in paths:
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size};".encode())
+        with open(path, "rb") as handle:
+            if full:
+                for block in iter(lambda: handle.read(1 << 24), b""):
+                    digest.update(block)
+            else:
+                digest.update(handle.read(_FINGERPRINT_SPAN))
+                handle.seek(max(size - _FINGERPRINT_SPAN, 0))
+                digest.update(handle.read(_FINGERPRINT_SPAN))
+    return digest.hexdigest()
+
+
+def index_fingerprint(root: str | os.PathLike) -> str:
+    """A cheap hash of ``index.npy`` and ``labels.npy`` (sizes, first and last MiB): checked at every open."""
+    root = Path(root)
+    return _hash_files([root / INDEX_FILE, root / LABELS_FILE], full=False)
+
+
+def write_index(root: str | os.PathLike, index: np.ndarray, labels: np.ndarray, *, classes: Sequence[str],
+                shards: Sequence[dict[str, Any]], extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write ``index.npy``, ``labels.npy`` and then ``manifest.json`` (each atomically); returns the manifest.
+
+    The manifest is written last, so its presence means the set is complete.
+    ``shards`` holds one ``{"name", "bytes", "samples"}`` per shard; ``extra``
+    adds informational keys (source, options, skipped count).
+    """
+    root = Path(root)
+    index = np.asarray(index, dtype=INDEX_DTYPE)
+    labels = np.asarray(labels, dtype=np.int64)
+    if index.shape != labels.shape or index.ndim != 1:
+        raise ValueError(f"write_index: index shape {index.shape} and labels shape {labels.shape} must be equal and 1-D")
+    for name, array in ((INDEX_FILE, index), (LABELS_FILE, labels)):
+        with atomic_writer(root / name) as stream:
+            np.save(stream, array, allow_pickle=False)
+    counts = np.bincount(labels, minlength=len(classes)) if labels.size else np.zeros(len(classes), np.int64)
+    manifest = {
+        "format": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "num_samples": int(labels.size),
+        "num_classes": len(classes),
+        "classes": [str(c) for c in classes],
+        "class_counts": counts.astype(int).tolist(),
+        "shards": [{"name": s["name"], "bytes": int(s["bytes"]), "samples": int(s["samples"])} for s in shards],
+        "index_dtype": [[name, INDEX_DTYPE[name].str] for name in INDEX_DTYPE.names],
+        "index_fingerprint": index_fingerprint(root),
+        "index_sha256": _hash_files([root / INDEX_FILE, root / LABELS_FILE], full=True),
+        **(extra or {}),
+    }
+    atomic_write_text(root / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+class ShardedDataset(LabelledDataset):
+    """Images packed into tar shards by :mod:`pksampler.datasets.pack`, read by sample index.
+
+    Each ``load(i)`` is one ``os.pread`` of the image payload (offset and size
+    from the memory-mapped index) followed by a decode: no whole-shard read,
+    no tar parsing. Shard file handles are cached per process (keyed by pid,
+    so DataLoader workers reopen after fork), at most ``max_open_shards`` at a
+    time.
+
+    Args:
+        root: the folder holding ``manifest.json``, ``index.npy``, ``labels.npy`` and the shards.
+        transform: applied to the decoded RGB PIL image (see :mod:`.transforms`).
+        seed: augmentation seed (per-sample generators keyed by seed, epoch, index).
+        on_bad: ``"replace"`` (default) or ``"raise"``, as for the other datasets.
+        decode_size: decode JPEGs in Pillow's draft mode at no less than this side.
+        max_pixels: images declaring more pixels are bad images (decompression bombs).
+        verify_index: also check the full SHA-256 of the index (reads both arrays once);
+            by default only the fingerprint (sizes, first and last MiB) is checked.
+        max_open_shards: bound on cached open shard files per process.
+
+    Path rules: shard names in the manifest must be plain file names
+    (``[A-Za-z0-9_.-]``, ending ``.tar``: no ``/``, no ``..``, not absolute), and a
+    shard that is a symlink must resolve inside ``root``; the index and labels
+    files have fixed names. A missing file or an index that does not match
+    the manifest is an error naming the path.
+
+    Example::
+
+        dataset = ShardedDataset("/data/products-shards", transform=train_preset(224), decode_size=224)
+        sampler = DistributedBalancedBatchSampler(dataset.labels, 32, 4, num_replicas=16, rank=r)
+    """
+
+    def __init__(self, root: str | os.PathLike, transform: Callable | None = None, *, seed: int = 0,
+                 on_bad: str = "replace", decode_size: int | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
+                 verify_index: bool = False, max_open_shards: int = 64) -> None:
+        super().__init__(transform, seed=seed, on_bad=on_bad)
+        self.decode_size, self.max_pixels = check_decoding("ShardedDataset", decode_size, max_pixels)
+        if isinstance(max_open_shards, bool) or not isinstance(max_open_shards, int) or max_open_shards < 1:
+            raise ValueError(f"ShardedDataset(max_open_shards=) must be a positive int, got {max_open_shards!r}")
+        self.max_open_shards = max_open_shards
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise FileNotFoundError(f"ShardedDataset(root=) is not a directory: {self.root}")
+        self.manifest = _read_manifest(self.root)
+        self.shard_names = [s["name"] for s in self.manifest["shards"]]
+        self.shard_bytes = np.asarray([s["bytes"] for s in self.manifest["shards"]], dtype=np.int64)
+        self.classes = list(self.manifest["classes"])
+        self.index, self.labels = _open_index(self.root, self.manifest, verify=verify_index)
+        # The packer writes class by class: same-class lookups are a binary search, no scan of 10^8 labels.
+        self._labels_sorted = True if self.manifest.get("class_contiguous") else None
+        self._handles: OrderedDict[int, int] = OrderedDict()
+        self._pid = os.getpid()
+
+    def describe(self, index: int) -> str:
+        record = self.index[index]
+        return (f"{self.root / self.shard_names[int(record['shard'])]}@{int(record['offset'])}"
+                f"+{int(record['size'])} (sample {index})")
+
+    def read_bytes(self, index: int) -> bytes:
+        """The stored (encoded) image bytes of sample ``index``: one positioned read."""
+        record = self.index[index]
+        shard, offset, size = int(record["shard"]), int(record["offset"]), int(record["size"])
+        data = os.pread(self._handle(shard), size, offset)
+        if len(data) != size:
+            raise ImageLoadError(f"{self.describe(index)}: shard ends after {len(data)} of {size} bytes (truncated shard?)")
+        return data
+
+    def load(self, index: int) -> Image.Image:
+        return load_rgb(self.read_bytes(index), name=self.describe(index), draft_size=self.decode_size,
+                        max_pixels=self.max_pixels)
+
+    def _handle(self, shard: int) -> int:
+        """A read-only descriptor of shard ``shard``, cached per process (LRU)."""
+        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share
+            self._handles = OrderedDict()
+            self._pid = os.getpid()
+        handle = self._handles.get(shard)
+        if handle is not None:
+            self._handles.move_to_end(shard)
+            return handle
+        if not 0 <= shard < len(self.shard_names):
+            raise ValueError(f"{self.root / INDEX_FILE}: shard id {shard} out of range for {len(self.shard_names)} shards")
+        path = _inside(self.root, self.shard_names[shard])
+        try:
+            handle = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"ShardedDataset: shard listed in {self.root / MANIFEST} is missing: {path}") from None
+        size = os.fstat(handle).st_size
+        if size != self.shard_bytes[shard]:
+            os.close(handle)
+            raise ValueError(f"ShardedDataset: shard {path} has {size} bytes, the manifest "
+                             f"{self.root / MANIFEST} says {int(self.shard_bytes[shard])}: the shard and index do not match")
+        self._handles[shard] = handle
+        while len(self._handles) > self.max_open_shards:
+            os.close(self._handles.popitem(last=False)[1])
+        return handle
+
+    def close(self) -> None:
+        """Close this process's cached shard handles."""
+        if self._pid == os.getpid():
+            for handle in self._handles.values():
+                os.close(handle)
+        self._handles = OrderedDict()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to do
+            pass
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle (e.g. for spawned DataLoader workers) without file handles or the arrays' contents.
+
+        A pickled ``np.memmap`` carries its whole data; the receiving process
+        maps the files again instead.
+        """
+        state = dict(self.__dict__)
+        state["_handles"] = OrderedDict()
+        state["index"] = state["labels"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.index, self.labels = _open_index(self.root, self.manifest, verify=False)
+        self._pid = os.getpid()
+
+
+def _inside(root: Path, name: str) -> Path:
+    """``root / name`` for a plain shard name, refusing links that resolve outside ``root``."""
+    path = root / name
+    resolved, root_resolved = path.resolve(), root.resolve()
+    if root_resolved not in resolved.parents:
+        raise ValueError(f"ShardedDataset: shard {path} resolves to {resolved}, outside the shard folder {root_resolved}")
+    return path
+
+
+def _read_manifest(root: Path) -> dict[str, Any]:
+    path = root / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"ShardedDataset: no {MANIFEST} in {root} (write one with "
+                                f"`python -m pksampler.datasets.pack SRC {root}`; an interrupted pack has none)") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"ShardedDataset: {path} is not valid JSON: {error}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise ValueError(f"ShardedDataset: {path} is not a {FORMAT_NAME} manifest")
+    if manifest.get("version") != FORMAT_VERSION:
+        raise ValueError(f"ShardedDataset: {path} has format version {manifest.get('version')!r}; "
+                         f"this reader supports {FORMAT_VERSION}")
+    for key in ("num_samples", "classes", "shards", "index_fingerprint"):
+        if key not in manifest:
+            raise ValueError(f"ShardedDataset: {path} lacks the key {key!r}")
+    for entry in manifest["shards"]:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        if not isinstance(name, str) or not _SHARD_NAME.match(name) or ".." in name:
+            raise ValueError(f"ShardedDataset: {path} lists shard {name!r}; shard names must be plain file "
+                             f"names matching {_SHARD_NAME.pattern} (no '/', '..' or absolute paths)")
+    return manifest
+
+
+def _open_index(root: Path, manifest: dict[str, Any], *, verify: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Memory-map index.npy and labels.npy and check them against the manifest."""
+    arrays = []
+    for name, dtype in ((INDEX_FILE, INDEX_DTYPE), (LABELS_FILE, np.dtype(np.int64))):
+        path = root / name
+        try:
+            array = np.load(path, mmap_mode="r", allow_pickle=False)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"ShardedDataset: index file missing: {path}") from None
+        except ValueError as error:
+            raise ValueError(f"ShardedDataset: {path} is not a readable .npy array: {error}") from None
+        if array.dtype != dtype or array.shape != (manifest["num_samples"],):
+            raise ValueError(f"ShardedDataset: {path} holds {array.dtype} {array.shape}; the manifest "
+                             f"{root / MANIFEST} needs {dtype} ({manifest['num_samples']},)")
+        arrays.append(array)
+    if index_fingerprint(root) != manifest["index_fingerprint"]:
+        raise ValueError(f"ShardedDataset: {root / INDEX_FILE} and {root / LABELS_FILE} do not match the "
+                         f"fingerprint in {root / MANIFEST} (index from another pack?)")
+    if verify and _hash_files([root / INDEX_FILE, root / LABELS_FILE], full=True) != manifest.get("index_sha256"):
+        raise ValueError(f"ShardedDataset: {root / INDEX_FILE} and {root / LABELS_FILE} do not match the "
+                         f"SHA-256 in {root / MANIFEST}")
+    index, labels = arrays
+    if labels.size and (int(labels[0]) < 0 or int(labels[-1]) >= len(manifest["classes"])):
+        raise ValueError(f"ShardedDataset: {root / LABELS_FILE} holds codes outside [0, {len(manifest['classes'])})")
+    return index, labels
