@@ -216,10 +216,12 @@ def evaluate_retrieval(
     used = np.flatnonzero(relevant > 0)
     names = [f"recall_at_{k}" for k in ks] + ["precision_at_1", "r_precision", "map_at_r"]
     per_query = {name: np.zeros(query.shape[0], dtype=np.float64) for name in names}
-    keep_ids = np.full((query.shape[0] if wanted.size else 0, num_neighbours), -1, dtype=np.int64)
+    # slot[row]: where a requested row's neighbours are kept (-1: not requested)
+    distinct = np.unique(wanted)
+    slot = np.full(query.shape[0], -1, dtype=np.int64)
+    slot[distinct] = np.arange(distinct.size)
+    keep_ids = np.full((distinct.size, num_neighbours), -1, dtype=np.int64)
     keep_dist = np.full(keep_ids.shape, np.inf, dtype=np.float64)
-    is_wanted = np.zeros(query.shape[0], dtype=bool)
-    is_wanted[wanted] = True
     index = _build_index(gallery, metric)
     # Queries in order of R, so each chunk asks for about the k it needs.
     by_relevant = used[np.argsort(relevant[used], kind="stable")]
@@ -229,29 +231,27 @@ def evaluate_retrieval(
         rows = max(1, min(chunk_size, max_neighbours_per_chunk // max(need, 1)))
         chunk = np.sort(by_relevant[start:start + rows])
         need = max(max(ks), int(relevant[chunk].max()))
-        shown = is_wanted[chunk]
+        shown = slot[chunk] >= 0
         dist, ids = _search_chunk(query, gallery, chunk, max(need, num_neighbours) if shown.any() else need,
                                   metric, self_gallery, index)
         if shown.any():
-            keep_ids[chunk[shown]] = ids[shown, :num_neighbours]
-            keep_dist[chunk[shown]] = dist[shown, :num_neighbours]
+            keep_ids[slot[chunk[shown]]] = ids[shown, :num_neighbours]
+            keep_dist[slot[chunk[shown]]] = dist[shown, :num_neighbours]
         ids = ids[:, :need]
         hits = (ids >= 0) & (gallery_codes[np.maximum(ids, 0)] == query_codes[chunk][:, None])
         _score(per_query, chunk, hits, relevant[chunk], ks)
         start += rows
     # Requested rows without a relevant item were not searched above.
-    missing = wanted[relevant[wanted] <= 0] if wanted.size else wanted
+    missing = distinct[relevant[distinct] <= 0]
     if missing.size:
-        missing = np.unique(missing)
         dist, ids = _search_chunk(query, gallery, missing, num_neighbours, metric, self_gallery, index)
-        keep_ids[missing], keep_dist[missing] = ids, dist
+        keep_ids[slot[missing]], keep_dist[slot[missing]] = ids, dist
     count = used.size
     # Means over per-query values in query order: identical for any chunking.
     metrics = {name: (float(values[used].mean()) if count else float("nan")) for name, values in per_query.items()}
     metrics["num_queries"] = int(count)
     metrics["num_excluded"] = int(query.shape[0] - count)
-    return RetrievalResult(metrics, wanted, keep_ids[wanted] if wanted.size else keep_ids,
-                           keep_dist[wanted] if wanted.size else keep_dist, metric)
+    return RetrievalResult(metrics, wanted, keep_ids[slot[wanted]], keep_dist[slot[wanted]], metric)
 
 
 def _prepare(query: Any, query_labels: Any, gallery: Any, gallery_labels: Any, metric: str):
