@@ -346,12 +346,12 @@ def _exact_distances(vectors: np.ndarray, items: np.ndarray, metric: str) -> np.
     ties stay exact (a BLAS product may round the two differently).
     """
     q = vectors.astype(np.float64)[:, None, :]
-    g = items.astype(np.float64)
-    if g.ndim == 2:
-        g = g[None]
+    g = items if items.ndim == 3 else items[None]
     if metric == "l2":
-        return ((g - q) ** 2).sum(axis=-1)
-    return -(g * q).sum(axis=-1)
+        # float32 items meet float64 queries inside the ufunc: no float64 copy of the items
+        diff = np.subtract(g, q)
+        return np.square(diff, out=diff).sum(axis=-1)
+    return -np.multiply(g, q).sum(axis=-1)
 
 
 def _resolve_ties(vectors, gallery, candidates, keep, metric, self_ids):
@@ -382,7 +382,7 @@ def _resolve_ties(vectors, gallery, candidates, keep, metric, self_ids):
     best_ids = np.full((rows, keep), size, dtype=np.int64)
     scanned = np.zeros(rows, dtype=np.int64)
     active = np.arange(rows)
-    start, block = 0, max(2 * candidates.shape[1], 32)
+    start, block = 0, max(candidates.shape[1], 16)  # collapsed: one block
     while active.size and start < size:
         stop = min(start + block, size)
         step_rows = max(1, _TIE_BUDGET // ((stop - start) * gallery.shape[1]))
