@@ -201,13 +201,7 @@ def evaluate_retrieval(
         result = evaluate_retrieval(embeddings, labels, neighbour_rows=[0, 40, 80], num_neighbours=5)
         result.metrics["recall_at_1"], result.neighbours, result.similarities
     """
-    _check_metric("retrieval_metrics", metric)
-    ks = tuple(ks)
-    if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
-        raise ValueError(f"retrieval_metrics(ks=) must be positive ints, got {ks!r}")
-    for arg, value in (("chunk_size", chunk_size), ("num_neighbours", num_neighbours)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"retrieval_metrics({arg}=) must be a positive int, got {value!r}")
+    ks = _check_options(metric, ks, chunk_size=chunk_size, num_neighbours=num_neighbours)
     query, query_labels, gallery, gallery_labels, self_gallery = _prepare(
         query, query_labels, gallery, gallery_labels, metric)
     wanted = _neighbour_rows(neighbour_rows, query.shape[0])
@@ -252,6 +246,18 @@ def evaluate_retrieval(
     metrics["num_queries"] = int(count)
     metrics["num_excluded"] = int(query.shape[0] - count)
     return RetrievalResult(metrics, wanted, keep_ids[slot[wanted]], keep_dist[slot[wanted]], metric)
+
+
+def _check_options(metric: str, ks: Sequence[int], **counts: Any) -> tuple[int, ...]:
+    """Validate the metric, the ks and the positive-int options; returns ks as a tuple."""
+    _check_metric("retrieval_metrics", metric)
+    ks = tuple(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
+        raise ValueError(f"retrieval_metrics(ks=) must be positive ints, got {ks!r}")
+    for arg, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"retrieval_metrics({arg}=) must be a positive int, got {value!r}")
+    return ks
 
 
 def _prepare(query: Any, query_labels: Any, gallery: Any, gallery_labels: Any, metric: str):
