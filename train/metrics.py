@@ -201,13 +201,7 @@ def evaluate_retrieval(
         result = evaluate_retrieval(embeddings, labels, neighbour_rows=[0, 40, 80], num_neighbours=5)
         result.metrics["recall_at_1"], result.neighbours, result.similarities
     """
-    _check_metric("retrieval_metrics", metric)
-    ks = tuple(ks)
-    if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
-        raise ValueError(f"retrieval_metrics(ks=) must be positive ints, got {ks!r}")
-    for arg, value in (("chunk_size", chunk_size), ("num_neighbours", num_neighbours)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"retrieval_metrics({arg}=) must be a positive int, got {value!r}")
+    ks = _check_options(metric, ks, chunk_size=chunk_size, num_neighbours=num_neighbours)
     query, query_labels, gallery, gallery_labels, self_gallery = _prepare(
         query, query_labels, gallery, gallery_labels, metric)
     wanted = _neighbour_rows(neighbour_rows, query.shape[0])
@@ -216,10 +210,12 @@ def evaluate_retrieval(
     used = np.flatnonzero(relevant > 0)
     names = [f"recall_at_{k}" for k in ks] + ["precision_at_1", "r_precision", "map_at_r"]
     per_query = {name: np.zeros(query.shape[0], dtype=np.float64) for name in names}
-    keep_ids = np.full((query.shape[0] if wanted.size else 0, num_neighbours), -1, dtype=np.int64)
+    # slot[row]: where a requested row's neighbours are kept (-1: not requested)
+    distinct = np.unique(wanted)
+    slot = np.full(query.shape[0], -1, dtype=np.int64)
+    slot[distinct] = np.arange(distinct.size)
+    keep_ids = np.full((distinct.size, num_neighbours), -1, dtype=np.int64)
     keep_dist = np.full(keep_ids.shape, np.inf, dtype=np.float64)
-    is_wanted = np.zeros(query.shape[0], dtype=bool)
-    is_wanted[wanted] = True
     index = _build_index(gallery, metric)
     # Queries in order of R, so each chunk asks for about the k it needs.
     by_relevant = used[np.argsort(relevant[used], kind="stable")]
@@ -229,29 +225,39 @@ def evaluate_retrieval(
         rows = max(1, min(chunk_size, max_neighbours_per_chunk // max(need, 1)))
         chunk = np.sort(by_relevant[start:start + rows])
         need = max(max(ks), int(relevant[chunk].max()))
-        shown = is_wanted[chunk]
+        shown = slot[chunk] >= 0
         dist, ids = _search_chunk(query, gallery, chunk, max(need, num_neighbours) if shown.any() else need,
                                   metric, self_gallery, index)
         if shown.any():
-            keep_ids[chunk[shown]] = ids[shown, :num_neighbours]
-            keep_dist[chunk[shown]] = dist[shown, :num_neighbours]
+            keep_ids[slot[chunk[shown]]] = ids[shown, :num_neighbours]
+            keep_dist[slot[chunk[shown]]] = dist[shown, :num_neighbours]
         ids = ids[:, :need]
         hits = (ids >= 0) & (gallery_codes[np.maximum(ids, 0)] == query_codes[chunk][:, None])
         _score(per_query, chunk, hits, relevant[chunk], ks)
         start += rows
     # Requested rows without a relevant item were not searched above.
-    missing = wanted[relevant[wanted] <= 0] if wanted.size else wanted
+    missing = distinct[relevant[distinct] <= 0]
     if missing.size:
-        missing = np.unique(missing)
         dist, ids = _search_chunk(query, gallery, missing, num_neighbours, metric, self_gallery, index)
-        keep_ids[missing], keep_dist[missing] = ids, dist
+        keep_ids[slot[missing]], keep_dist[slot[missing]] = ids, dist
     count = used.size
     # Means over per-query values in query order: identical for any chunking.
     metrics = {name: (float(values[used].mean()) if count else float("nan")) for name, values in per_query.items()}
     metrics["num_queries"] = int(count)
     metrics["num_excluded"] = int(query.shape[0] - count)
-    return RetrievalResult(metrics, wanted, keep_ids[wanted] if wanted.size else keep_ids,
-                           keep_dist[wanted] if wanted.size else keep_dist, metric)
+    return RetrievalResult(metrics, wanted, keep_ids[slot[wanted]], keep_dist[slot[wanted]], metric)
+
+
+def _check_options(metric: str, ks: Sequence[int], **counts: Any) -> tuple[int, ...]:
+    """Validate the metric, the ks and the positive-int options; returns ks as a tuple."""
+    _check_metric("retrieval_metrics", metric)
+    ks = tuple(ks)
+    if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
+        raise ValueError(f"retrieval_metrics(ks=) must be positive ints, got {ks!r}")
+    for arg, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"retrieval_metrics({arg}=) must be a positive int, got {value!r}")
+    return ks
 
 
 def _prepare(query: Any, query_labels: Any, gallery: Any, gallery_labels: Any, metric: str):
@@ -346,12 +352,12 @@ def _exact_distances(vectors: np.ndarray, items: np.ndarray, metric: str) -> np.
     ties stay exact (a BLAS product may round the two differently).
     """
     q = vectors.astype(np.float64)[:, None, :]
-    g = items.astype(np.float64)
-    if g.ndim == 2:
-        g = g[None]
+    g = items if items.ndim == 3 else items[None]
     if metric == "l2":
-        return ((g - q) ** 2).sum(axis=-1)
-    return -(g * q).sum(axis=-1)
+        # float32 items meet float64 queries inside the ufunc: no float64 copy of the items
+        diff = np.subtract(g, q)
+        return np.square(diff, out=diff).sum(axis=-1)
+    return -np.multiply(g, q).sum(axis=-1)
 
 
 def _resolve_ties(vectors, gallery, candidates, keep, metric, self_ids):
@@ -382,7 +388,7 @@ def _resolve_ties(vectors, gallery, candidates, keep, metric, self_ids):
     best_ids = np.full((rows, keep), size, dtype=np.int64)
     scanned = np.zeros(rows, dtype=np.int64)
     active = np.arange(rows)
-    start, block = 0, max(2 * candidates.shape[1], 32)
+    start, block = 0, max(candidates.shape[1], 16)  # collapsed: one block
     while active.size and start < size:
         stop = min(start + block, size)
         step_rows = max(1, _TIE_BUDGET // ((stop - start) * gallery.shape[1]))

@@ -25,6 +25,7 @@ __all__ = ["render_gallery", "save_gallery_png"]
 
 _GREY, _GREEN, _RED = (128, 128, 128), (0, 170, 0), (210, 0, 0)
 _TEXT, _MUTED = (20, 20, 20), (90, 90, 90)
+_DARK_GREEN = (0, 120, 0)  # text: the frame green is too light on white
 _LONG_NAMES = {"cos": "cosine", "ip": "inner-product"}
 
 
@@ -64,6 +65,33 @@ def _to_pil(image: Any):
     return Image.fromarray(array).convert("RGB")
 
 
+def _text(draw: Any, xy: tuple[float, float], text: str, font: Any, fill: tuple[int, int, int],
+          centred: bool = True) -> None:
+    """Text centred on ``xy`` (or left-aligned, vertically centred); works with bitmap fonts too."""
+    left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
+    x = xy[0] - (right + left) / 2 if centred else xy[0] - left
+    draw.text((x, xy[1] - (bottom + top) / 2), text, fill=fill, font=font)
+
+
+def _checked(rows: int, neighbour_images: Sequence[Sequence[Any]], correct: Any, similarities: Any):
+    """Column count, ``correct`` as bools and ``similarities`` as float64, with shapes checked."""
+    if rows == 0:
+        raise ValueError("save_gallery_png(query_images=) is empty; pass at least one query image")
+    columns = max((len(row) for row in neighbour_images), default=0)
+    correct = as_numpy(correct, name="save_gallery_png(correct=)", kinds="biu", contiguous=False).astype(bool)
+    if len(neighbour_images) != rows or correct.ndim != 2 or correct.shape[0] != rows or correct.shape[1] < columns:
+        raise ValueError(
+            f"save_gallery_png: {rows} query images need {rows} neighbour rows and correct of shape "
+            f"({rows}, {columns}); got {len(neighbour_images)} rows and correct of shape {correct.shape}"
+        )
+    if similarities is not None:
+        similarities = as_numpy(similarities, name="save_gallery_png(similarities=)", dtype=np.float64, ndim=2)
+        if similarities.shape[0] != rows or similarities.shape[1] < columns:
+            raise ValueError(f"save_gallery_png(similarities=) must have shape ({rows}, {columns}), "
+                             f"got {similarities.shape}")
+    return columns, correct, similarities
+
+
 def render_gallery(
     query_images: Sequence[Any],
     neighbour_images: Sequence[Sequence[Any]],
@@ -79,42 +107,27 @@ def render_gallery(
     from PIL import Image, ImageDraw
 
     rows = len(query_images)
-    if rows == 0:
-        raise ValueError("save_gallery_png(query_images=) is empty; pass at least one query image")
-    columns = max(len(row) for row in neighbour_images) if len(neighbour_images) else 0
-    correct = as_numpy(correct, name="save_gallery_png(correct=)", kinds="biu", contiguous=False).astype(bool)
-    if len(neighbour_images) != rows or correct.shape[:1] != (rows,) or (correct.ndim == 2 and correct.shape[1] < columns):
-        raise ValueError(
-            f"save_gallery_png: {rows} query images need {rows} neighbour rows and correct of shape "
-            f"({rows}, {columns}); got {len(neighbour_images)} rows and correct of shape {correct.shape}"
-        )
-    if similarities is not None:
-        similarities = as_numpy(similarities, name="save_gallery_png(similarities=)", dtype=np.float64, ndim=2)
-        if similarities.shape[0] != rows or similarities.shape[1] < columns:
-            raise ValueError(f"save_gallery_png(similarities=) must have shape ({rows}, {columns}), "
-                             f"got {similarities.shape}")
+    columns, correct, similarities = _checked(rows, neighbour_images, correct, similarities)
     font_size = max(11, min(18, cell // 6))
     font, small = _font(font_size), _font(max(10, font_size - 2))
     gap, line = 2 * border, font_size + 6
     pitch = cell + 2 * gap
-    label_h = line if similarities is not None else 0
-    row_h = cell + 2 * border + label_h + gap
-    caption = ("Frame: green = same class as the query (correct), red = another class (wrong)."
-               + (f" Number: {_LONG_NAMES.get(similarity_name, similarity_name)} similarity to the query."
-                  if similarities is not None else ""))
-    width = max((1 + columns) * pitch + gap, int(small.getlength(caption)) + 2 * gap if hasattr(small, "getlength")
-                else 0)
+    row_h = cell + 2 * border + (line if similarities is not None else 0) + gap
+    caption = "Frame: green = same class as the query (correct), red = another class (wrong)."
+    if similarities is not None:
+        caption += f" Number: {_LONG_NAMES.get(similarity_name, similarity_name)} similarity to the query."
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    caption_width = measure.textbbox((0, 0), caption, font=small)[2]
+    width = max((1 + columns) * pitch + gap, caption_width + 2 * gap)
     title_h = line + 4 if title else 0
     top = gap + title_h + line
     height = top + rows * row_h + line + gap
     canvas = Image.new("RGB", (width, height), (255, 255, 255))
     draw = ImageDraw.Draw(canvas)
     if title:
-        draw.text((gap, gap), title, fill=_TEXT, font=_font(font_size + 2))
-    headers = ["query"] + [_ordinal(c + 1) for c in range(columns)]
-    for c, text in enumerate(headers):
-        centre = gap + c * pitch + pitch // 2
-        draw.text((centre, gap + title_h + line // 2), text, fill=_TEXT, font=font, anchor="mm")
+        _text(draw, (gap, gap + line // 2), title, _font(font_size + 2), _TEXT, centred=False)
+    for c, text in enumerate(["query"] + [_ordinal(c + 1) for c in range(columns)]):
+        _text(draw, (gap + c * pitch + pitch // 2, gap + title_h + line // 2), text, font, _TEXT)
     for r in range(rows):
         y0 = top + r * row_h + border
         for c, image in enumerate([query_images[r], *neighbour_images[r]]):
@@ -123,9 +136,10 @@ def render_gallery(
             draw.rectangle([x0 - border, y0 - border, x0 + cell + border - 1, y0 + cell + border - 1], fill=colour)
             canvas.paste(_to_pil(image).resize((cell, cell)), (x0, y0))
             if c and similarities is not None and np.isfinite(similarities[r, c - 1]):
-                draw.text((x0 + cell // 2, y0 + cell + border + line // 2), f"{similarity_name} {similarities[r, c - 1]:.3f}",
-                          fill=colour if colour != _GREEN else (0, 120, 0), font=small, anchor="mm")
-    draw.text((gap, height - gap - line // 2), caption, fill=_MUTED, font=small, anchor="lm")
+                label = f"{similarity_name} {similarities[r, c - 1]:.3f}"
+                _text(draw, (x0 + cell // 2, y0 + cell + border + line // 2), label, small,
+                      _DARK_GREEN if colour == _GREEN else colour)
+    _text(draw, (gap, height - gap - line // 2), caption, small, _MUTED, centred=False)
     return canvas
 
 
