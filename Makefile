@@ -1,7 +1,15 @@
 # The two commands: `make demo` and `make test`. Both run the same set-up first
-# (scripts/setup.sh: .venv, torch CPU, the project, Horovod built once and cached).
+# (scripts/setup.sh: a venv, torch, the project, Horovod built once and cached).
+# PYTHON picks the interpreter (3.10, 3.11 or 3.12; default python3.11):
+#   PYTHON=python3.12 make test      # venv .venv-3.12/, its own Horovod wheel
+# VENV (or PKSAMPLER_VENV) overrides the venv folder.
 SHELL := /bin/bash
-VENV ?= .venv
+PYTHON ?=
+export PYTHON
+ifeq ($(origin VENV), undefined)
+VENV := $(shell ./scripts/setup.sh --print-venv)
+endif
+export PKSAMPLER_VENV := $(VENV)
 PY := $(VENV)/bin/python
 NP ?= 2
 ARGS ?=
@@ -26,5 +34,6 @@ bench: setup
 	$(PY) benchmarks/sampler_speed.py
 	$(PY) benchmarks/eval_speed.py
 
+# Every interpreter's venv (.venv for the default, .venv-3.X for the others).
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis workspace
+	rm -rf .venv .venv-3.* $(VENV) .pytest_cache .hypothesis workspace

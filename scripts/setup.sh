@@ -117,8 +117,8 @@ fi
 if [[ ! -x "$VENV/bin/python" ]]; then
     log "creating virtual environment $VENV with $PYBIN (Python $PYFULL)"
     "$PYBIN" -m venv "$VENV"
-    echo '*' >"$VENV/.gitignore"   # a venv beside the sources never shows up in git status
 fi
+[[ -f "$VENV/.gitignore" ]] || echo '*' >"$VENV/.gitignore"   # a venv beside the sources stays out of git status
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check --no-input)
 
@@ -225,6 +225,12 @@ build_horovod() {
             'import torch; print(",".join(sorted({a.split("_")[1] for a in torch.cuda.get_arch_list() if a.startswith("sm_")})))')}"
         flags+=(HOROVOD_GPU_OPERATIONS=NCCL "HOROVOD_BUILD_CUDA_CC_LIST=$cc_list")
         log "NCCL build: nccl home ${nccl_home:-<system>}, CUDA architectures $cc_list"
+    else
+        # With a CUDA torch and nvcc on PATH (PyPI's torch for 3.10/3.12 is the
+        # CUDA build) Horovod compiles CUDA into its torch extension on its own,
+        # which needs the full toolkit; the CPU build must not.
+        patch_source "$src/cmake/Modules/FindPytorch.cmake" \
+            'print(True if ((torch.version.cuda is not None) and (CUDA_HOME is not None)) else False)' 'print(False)'
     fi
     (
         cd "$src"

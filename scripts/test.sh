@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Run the whole suite: unit tests, hypothesis property tests and the real
-# multi-process tests under horovodrun -np 2. Exit code 5 (no tests collected)
-# counts as a failure.
+# multi-process tests under horovodrun -np 2, in the venv that scripts/setup.sh
+# prepares for $PYTHON (default python3.11: .venv/; another version:
+# .venv-3.X/). Exit code 5 (no tests collected) counts as a failure.
+#
+#   scripts/test.sh                          # Python 3.11, .venv/
+#   PYTHON=python3.12 scripts/test.sh -x     # Python 3.12, .venv-3.12/, pytest -x
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$("$ROOT/scripts/setup.sh" --print-venv)" || exit 1
 "$ROOT/scripts/setup.sh" || exit 1
 cd "$ROOT"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
-"$ROOT/.venv/bin/python" -m pytest "$@"
+echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.split()[0])') in $VENV" >&2
+"$VENV/bin/python" -m pytest "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "pytest collected no tests: failing" >&2

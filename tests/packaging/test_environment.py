@@ -1,0 +1,88 @@
+"""The environment scripts/setup.sh builds: the interpreter's venv, the extras, torch kept as installed."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from launch import ROOT
+
+SETUP = ROOT / "scripts" / "setup.sh"
+TORCH_VERSION = "2.13.0"
+
+
+def _print_venv(**env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PKSAMPLER_VENV")}
+    return subprocess.run(["bash", str(SETUP), "--print-venv"], env={**full, **env},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_each_python_version_gets_its_own_venv():
+    version = "%d.%d" % sys.version_info[:2]
+    result = _print_venv(PYTHON=sys.executable)
+    assert result.returncode == 0, result.stderr
+    expected = ROOT / (".venv" if version == "3.11" else f".venv-{version}")
+    assert Path(result.stdout.strip()) == expected
+    default = _print_venv()
+    assert default.returncode == 0, default.stderr
+    assert Path(default.stdout.strip()) == ROOT / ".venv"
+    chosen = _print_venv(PYTHON=sys.executable, PKSAMPLER_VENV="/tmp/elsewhere")
+    assert chosen.stdout.strip() == "/tmp/elsewhere"
+
+
+def test_this_interpreter_runs_in_the_venv_setup_made_for_it():
+    """The suite runs under the venv setup.sh picks for this Python (the stamp proves setup finished there)."""
+    venv = Path(sys.prefix)
+    stamp = venv / ".pksampler-setup-stamp"
+    assert stamp.is_file(), f"{venv} was not made by scripts/setup.sh"
+    assert (venv / ".gitignore").read_text().strip() == "*"
+
+
+def test_an_unknown_interpreter_is_a_clear_error():
+    result = _print_venv(PYTHON="python3.99")
+    assert result.returncode != 0
+    assert "PYTHON=python3.99: no such interpreter" in result.stderr
+
+
+def test_extras_are_declared_and_installed_without_replacing_torch():
+    import torch
+
+    extras = importlib.metadata.metadata("pksampler").get_all("Provides-Extra")
+    assert {"horovod", "tensorboard", "pml", "dev"} <= set(extras)
+    requires = importlib.metadata.requires("pksampler") or []
+    assert any(r.startswith("matplotlib") and "extra" not in r for r in requires)
+    for package in ("tensorboard", "pytorch-metric-learning", "webdataset"):
+        assert any(r.startswith(package) and 'extra == "dev"' in r for r in requires), package
+        importlib.metadata.version(package)  # installed
+    assert torch.__version__.split("+")[0] == TORCH_VERSION
+
+
+def test_the_installed_packages_are_consistent():
+    result = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_pytorch_metric_learning_is_imported_only_for_pml_losses(tmp_path):
+    code = ("import sys, pksampler.train.losses as L; print('pytorch_metric_learning' in sys.modules);"
+            "L.build_loss('pml.ContrastiveLoss', {}); print('pytorch_metric_learning' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "True"]
+
+
+def test_horovod_runner_starts_without_distutils_on_python_312(tmp_path):
+    """Python 3.12 has no distutils: setup.sh patches Horovod's runner to use shutil.which.
+
+    setuptools' distutils shim would hide a missing patch, so it is blocked
+    here. Before 3.12 the standard library still has distutils (and the
+    cached 3.11 wheel may predate the patch), so only the import is checked.
+    """
+    block = "sys.modules['distutils'] = None; sys.modules['distutils.spawn'] = None;"
+    code = (f"import sys; {block if sys.version_info >= (3, 12) else ''}"
+            "import horovod.runner.launch, horovod.runner.js_run as j; print(j.find_executable('sh'))")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().endswith("/sh")
