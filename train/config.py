@@ -74,6 +74,8 @@ class ModelConfig:
     depth: tuple[int, ...] = (1, 1, 1, 1)
     embedding_dim: int = 64
     norm: str = "group"  # group | batch | sync_batch | none
+    pooling: str = "avg"  # avg | gem | avgmax
+    neck: str = "none"  # none | batch | layer (normalises the embedding before the L2 norm)
 
 
 @dataclass(frozen=True)
