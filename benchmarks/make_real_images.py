@@ -12,13 +12,13 @@ How, in steps:
 
 1. Load every bundled photo (grayscale ones are repeated to RGB).
 2. Cut each photo into square regions on a jittered grid (region side about
-   a quarter of the shorter photo side) and keep regions with visible
+   a sixth of the shorter photo side) and keep regions with visible
    structure (pixel standard deviation above a threshold); every kept region
    is one class. Classes are taken round-robin over the photos, so each
    photo gives about the same number, up to ``--classes``.
 3. Render ``--views`` views per class, each an affine warp of the photo
-   around the region centre: scale 0.75-1.3, rotation +-25 degrees, shift
-   up to 12 % of the region, then brightness/contrast/saturation factors in
+   around the region centre: scale 0.7-1.4, rotation +-30 degrees, shift
+   up to 15 % of the region, then brightness/contrast/saturation factors in
    [0.7, 1.3], a colour cast of up to 8 % per channel, Gaussian blur of radius
    0-1.2 px and JPEG quality 75-95.
 4. Write ``OUT_DIR/<photo>_<row>_<col>/<view>.jpg`` atomically, then a
@@ -52,6 +52,7 @@ MANIFEST = "manifest.json"
 PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "hubble_deep_field", "immunohistochemistry", "retina",
           "stereo_motorcycle", "camera", "coins", "moon", "page", "text", "brick", "grass", "gravel", "clock",
           "cell", "microaneurysms")
+REGIONS_PER_SIDE = 6.0  # region side = shorter photo side / 6: neighbouring classes share texture and colour
 MIN_REGION_STD = 18.0  # on the 0-255 scale: leaves out flat sky, black space and blank paper
 
 
@@ -93,7 +94,7 @@ def load_photos(names: tuple[str, ...] = PHOTOS) -> dict[str, np.ndarray]:
 def photo_regions(name: str, image: np.ndarray, rng: np.random.Generator) -> list[Region]:
     """Regions of one photo on a jittered grid, keeping those with visible structure."""
     height, width = image.shape[:2]
-    side = min(height, width) / 4.0
+    side = min(height, width) / REGIONS_PER_SIDE
     rows, cols = int(height // side), int(width // side)
     gray = image.astype(np.float32).mean(axis=2)
     regions = []
@@ -125,9 +126,9 @@ def choose_regions(photos: dict[str, np.ndarray], classes: int, seed: int) -> li
 
 def render_view(photo: Image.Image, region: Region, size: int, rng: np.random.Generator) -> Image.Image:
     """One random view of ``region``: affine warp (scale, rotation, shift), photometric jitter, blur."""
-    scale = math.exp(rng.uniform(math.log(0.75), math.log(1.3)))
-    angle = math.radians(rng.uniform(-25.0, 25.0))
-    shift = rng.uniform(-0.12, 0.12, size=2) * region.side
+    scale = math.exp(rng.uniform(math.log(0.7), math.log(1.4)))
+    angle = math.radians(rng.uniform(-30.0, 30.0))
+    shift = rng.uniform(-0.15, 0.15, size=2) * region.side
     # Output pixel (u, v) around the output centre maps to the photo point
     # centre + R(angle) @ (u, v) * (side / (scale * size)): PIL wants that inverse map.
     step = region.side / (scale * size)
