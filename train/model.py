@@ -91,17 +91,18 @@ class _Pool(nn.Module):
         return pooled
 
 
-def _neck(kind: str, dim: int) -> nn.Module:
+def _neck(kind: str, dim: int, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
     """Normalisation of the embedding before the L2 norm ("BN-neck", Luo et al. 2019).
 
     ``batch`` is BatchNorm1d over each rank's batch (so with W ranks it sees
-    P x K items, not the global batch); ``layer`` is LayerNorm, independent of
-    the batch, so W ranks still train the same model as one process.
+    P x K items, not the global batch), or the backend's SyncBatchNorm when one
+    is given (``model.norm: sync_batch``); ``layer`` is LayerNorm, independent
+    of the batch, so W ranks still train the same model as one process.
     """
     if kind == "none":
         return nn.Identity()
     if kind == "batch":
-        return nn.BatchNorm1d(dim)
+        return (sync_batch_norm or nn.BatchNorm1d)(dim)
     if kind == "layer":
         return nn.LayerNorm(dim)
     raise ValueError(f"model.neck must be one of {list(NECKS)}, got {kind!r}")
@@ -119,10 +120,12 @@ class EmbeddingNet(nn.Module):
             or ``avgmax`` (average and max concatenated).
         neck: ``none``, ``batch`` or ``layer`` normalisation of the embedding
             before the L2 norm.
+        sync_batch_norm: the class a ``batch`` neck uses instead of BatchNorm1d.
     """
 
     def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
-                 norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none") -> None:
+                 norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none",
+                 sync_batch_norm: type[nn.Module] | None = None) -> None:
         super().__init__()
         norm = norm or norm_factory("group")
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True))
@@ -136,7 +139,7 @@ class EmbeddingNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.pool = _Pool(pooling)
         self.head = nn.Linear(channels * (2 if pooling == "avgmax" else 1), embedding_dim)
-        self.neck = _neck(neck, embedding_dim)
+        self.neck = _neck(neck, embedding_dim, sync_batch_norm)
         self.embedding_dim = embedding_dim
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -145,9 +148,9 @@ class EmbeddingNet(nn.Module):
 
 
 class TorchvisionEmbedding(nn.Module):
-    """A torchvision backbone (when torchvision imports) with the same embedding head."""
+    """A torchvision backbone (when torchvision imports) with the same embedding head and neck."""
 
-    def __init__(self, name: str, embedding_dim: int) -> None:
+    def __init__(self, name: str, embedding_dim: int, neck: str = "none") -> None:
         super().__init__()
         try:
             import torchvision
@@ -157,17 +160,21 @@ class TorchvisionEmbedding(nn.Module):
         features = backbone.fc.in_features
         backbone.fc = nn.Identity()
         self.backbone, self.head = backbone, nn.Linear(features, embedding_dim)
+        self.neck = _neck(neck, embedding_dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.head(self.backbone(images)), dim=1)
+        return F.normalize(self.neck(self.head(self.backbone(images))), dim=1)
 
 
 def build_model(config, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
     """The model a ModelConfig describes."""
     if config.backbone.startswith("torchvision:"):
-        return TorchvisionEmbedding(config.backbone.split(":", 1)[1], config.embedding_dim)
+        if config.pooling != "avg":
+            raise ValueError(f"model.pooling={config.pooling!r} applies to backbone 'resnet' only; "
+                             f"torchvision backbones pool with their own layer (use 'avg')")
+        return TorchvisionEmbedding(config.backbone.split(":", 1)[1], config.embedding_dim, config.neck)
     if config.backbone != "resnet":
         raise ValueError(f"model.backbone must be 'resnet' or 'torchvision:<name>', got {config.backbone!r}")
     return EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
                         norm_factory(config.norm, sync_batch_norm),
-                        pooling=config.pooling, neck=config.neck)
+                        pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm)

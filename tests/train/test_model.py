@@ -114,3 +114,14 @@ def test_folder_config_loads_and_builds():
     assert config.data.name == "folder" and dict(config.data.args) == {}
     model = build_model(config.model)
     assert model(torch.randn(2, 3, config.data.image_size, config.data.image_size)).shape == (2, config.model.embedding_dim)
+
+
+def test_batch_neck_takes_the_sync_class_and_torchvision_refuses_other_poolings():
+    class FakeSync(torch.nn.BatchNorm1d):
+        pass
+
+    config = dataclasses.replace(ModelConfig(), width=8, depth=(1,), neck="batch")
+    assert type(build_model(config, sync_batch_norm=FakeSync).neck) is FakeSync
+    assert type(build_model(config).neck) is torch.nn.BatchNorm1d
+    with pytest.raises(ValueError, match="model.pooling='gem' applies to backbone 'resnet' only"):
+        build_model(dataclasses.replace(config, backbone="torchvision:resnet18", pooling="gem"))
