@@ -1,11 +1,11 @@
 """One tuning run on the real-photo set, in this process (one rank), with optional augmentation ranges.
 
 Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_images_sweep.py NAME [--config configs/folder.yaml]
-     [--scale 0.6 1.0] [--jitter 0.3] [--set key=value ...]
+     [--scale 0.6 1.0] [--jitter 0.3] [--rotation 0] [--set key=value ...]
 
 Why: the trainer builds its training transform with ``train_preset(image_size)``
-and the config has no augmentation keys, so trying other crop-scale and
-colour-jitter ranges needs the preset's arguments replaced; this script does
+and the config has no augmentation keys, so trying other crop-scale,
+colour-jitter and rotation ranges needs the preset's arguments replaced; this script does
 that for one run only and leaves the defaults alone. One rank trains the same
 model as W ranks with the same global batch (group norm; a ``batch`` neck is
 the exception), so tuning at one process stands for the ``-np 2`` run.
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--data", type=Path, default=ROOT / "workspace" / "real_images" / "data")
     parser.add_argument("--scale", type=float, nargs=2, default=None, help="RandomResizedCrop area range")
     parser.add_argument("--jitter", type=float, default=None, help="colour jitter strength")
+    parser.add_argument("--rotation", type=float, default=None, help="largest random rotation, degrees")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     if not set_is_complete(args.data, 200, 16, 64, 0):
@@ -48,7 +49,7 @@ def main() -> None:
     overrides = [f"data.root={args.data.resolve()}", f"workspace={workspace}", "train.resume=false",
                  "distributed.backend=none", *args.overrides]
     preset_args = {k: v for k, v in (("scale", tuple(args.scale) if args.scale else None),
-                                     ("jitter", args.jitter)) if v is not None}
+                                     ("jitter", args.jitter), ("rotation", args.rotation)) if v is not None}
     trainer.train_preset = functools.partial(train_preset, **preset_args)
     start = time.perf_counter()
     result = trainer.main(load_config(args.config, overrides, environ={}))
