@@ -20,7 +20,8 @@ from pksampler.train.config import RunConfig, load_config
 from pksampler.train.distributed import Backend
 from pksampler.train.evaluate import retrieval_metrics
 from pksampler.train.model import build_model
-from pksampler.train.trainer import build_data, embed
+from pksampler.train.builders import build_data
+from pksampler.train.heldout import embed
 
 __all__ = ["baseline_rows", "format_rows", "load_model_state"]
 
@@ -45,7 +46,7 @@ def baseline_rows(config: RunConfig, checkpoint: Path | None = None,
 
     Returns the rows by name and the held-out labels.
     """
-    _, _, test_set = build_data(config)
+    test_set = build_data(config).test
     labels = test_set.labels
     pixels = np.stack([test_set[i][0].reshape(-1).numpy() for i in range(len(test_set))])
     rows = {"raw pixels (cosine)": retrieval_metrics(pixels, labels)}

@@ -2,7 +2,8 @@
 
 Run: .venv/bin/python benchmarks/scaling.py [--steps 40]
 
-Both runs use the demo model and data with the same per-rank batch, no
+Both runs use the demo model and data with the same per-rank batch (8
+classes x 4 images: the global ``sampler.classes_per_step`` is 8 x W), no
 DataLoader workers and one torch thread per rank, so -np 2 processes twice
 the images per step. Throughput is global images per second over the steps
 after the first quarter, from the time stamps in each run's metrics.jsonl;
@@ -30,7 +31,8 @@ def throughput(np_: int, steps: int, workdir: Path) -> float:
                str(ROOT / "train" / "retrieval.py"), "--no-resume",
                "--set", f"workspace={workspace}", "--set", f"train.max_steps={steps}",
                "--set", "train.epochs=100", "--set", "train.checkpoint_every=0",
-               "--set", "train.threads=1", "--set", "data.workers=0"]
+               "--set", "train.threads=1", "--set", "data.workers=0",
+               "--set", f"sampler.classes_per_step={8 * np_}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]

@@ -13,9 +13,6 @@ import hashlib
 from typing import Any, Callable
 
 import numpy as np
-import torch
-
-from ._world import initialised_horovod, initialised_torch_distributed
 
 __all__ = ["SamplerMismatchError", "check_consistent", "sampler_fingerprint"]
 
@@ -52,35 +49,21 @@ def sampler_fingerprint(sampler: Any) -> np.ndarray:
     )
 
 
-def _default_allgather() -> Allgather:
-    hvd = initialised_horovod()
-    if hvd is not None:
-        return lambda row: hvd.allgather(torch.from_numpy(row[None, :])).numpy()
-    dist = initialised_torch_distributed()
-    if dist is not None:
-
-        def gather(row: np.ndarray) -> np.ndarray:
-            parts = [torch.zeros(row.shape[0], dtype=torch.int64) for _ in range(dist.get_world_size())]
-            dist.all_gather(parts, torch.from_numpy(row))
-            return torch.stack(parts).numpy()
-
-        return gather
-    return lambda row: row[None, :]
-
-
 def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> None:
     """Raise :class:`SamplerMismatchError` on every rank if the ranks' samplers differ.
 
     Args:
         sampler: a pksampler sampler (balanced or triplet).
         allgather: maps this rank's 1-D int64 fingerprint to the ``(W, F)``
-            array of every rank's; default: Horovod if initialised, else
-            torch.distributed if initialised, else a single process.
+            array of every rank's; default: :func:`pksampler.comm.all_gather_numpy`
+            (Horovod or torch.distributed when initialised, else one process).
 
     Every rank must call this at the same point (it is a collective).
     """
     mine = sampler_fingerprint(sampler)
-    gather = allgather if allgather is not None else _default_allgather()
+    if allgather is None:
+        from pksampler.comm import all_gather_numpy as allgather
+    gather = allgather
     table = np.asarray(gather(mine))
     if table.ndim != 2 or table.shape[1] != mine.shape[0]:
         raise SamplerMismatchError(f"allgather returned shape {table.shape}, expected (world_size, {mine.shape[0]})")

@@ -10,10 +10,12 @@ TESTS = Path(__file__).resolve().parent
 if str(TESTS) not in sys.path:
     sys.path.insert(0, str(TESTS))
 
+from pksampler.comm import LAUNCHER_ENVIRONMENT  # noqa: E402
+
 # Tests must not pick up a launcher's rank from the environment they run in.
-for _key in ("HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-             "PMI_RANK", "PMI_SIZE", "RANK", "WORLD_SIZE"):
-    os.environ.pop(_key, None)
+for _keys in LAUNCHER_ENVIRONMENT:
+    for _key in _keys:
+        os.environ.pop(_key, None)
 
 from hypothesis import settings  # noqa: E402
 

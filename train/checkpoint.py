@@ -1,36 +1,82 @@
-"""Checkpoints written atomically: a temporary file in the same folder, fsync, rename.
+"""Checkpoints that hold only tensors and plain data, written atomically, read without executing code.
 
-A crash while saving leaves the previous checkpoint intact; a reader never
-sees a half-written file.
+A checkpoint is a dict of tensors, numbers, strings, lists and dicts. numpy
+arrays are stored as tensors (:func:`to_storable`) and come back as arrays
+(:func:`to_numpy`). Reading uses ``torch.load(weights_only=True)``, whose
+unpickler accepts nothing else, so a planted or tampered file cannot run
+code; such a file is refused with a message naming it. Writing goes through
+:mod:`pksampler.files`: a crash while saving leaves the previous checkpoint
+intact.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from pksampler.files import atomic_write_bytes
 
-__all__ = ["atomic_write_bytes", "load_checkpoint", "save_checkpoint"]
+from .rules import ConfigError
+
+__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "to_numpy", "to_storable"]
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint is missing, unreadable or holds something other than tensors and plain data."""
+
+
+def to_storable(value: Any) -> Any:
+    """``value`` with numpy arrays as tensors and numpy scalars as Python numbers (weights_only-loadable)."""
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(value).copy())
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {key: to_storable(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_storable(item) for item in value]
+    return value
+
+
+def to_numpy(value: Any) -> Any:
+    """The inverse of :func:`to_storable` for states that want numpy arrays back (samplers)."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, dict):
+        return {key: to_numpy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [to_numpy(item) for item in value]
+    return value
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
-    """Serialise ``state`` with ``torch.save`` and write it atomically to ``path``."""
+    """Serialise ``state`` (after :func:`to_storable`) and write it atomically to ``path``."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(to_storable(state), buffer)
     return atomic_write_bytes(path, buffer.getvalue())
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (on the CPU)."""
+    """Load a checkpoint on the CPU with ``weights_only=True``; refuse anything else, naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        raise ValueError(f"checkpoint {path} could not be read: {error}") from None
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).splitlines()[0][:200]
+        raise CheckpointError(
+            f"checkpoint {path} was refused: it holds objects other than tensors and plain data, and loading "
+            f"it could run code ({reason}). Delete it or start afresh with --no-resume or another WORKSPACE"
+        ) from None
+    except Exception as error:  # truncated, not a torch file, ...
+        raise CheckpointError(f"checkpoint {path} could not be read: {type(error).__name__}: {error}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict")
+    return state

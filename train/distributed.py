@@ -1,8 +1,10 @@
-"""One backend-neutral interface to the collectives the trainer uses.
+"""Backends: starting the runtime and wrapping model and optimizer for data parallelism.
 
 Three implementations: Horovod (ring-allreduce via ``hvd.DistributedOptimizer``),
-torch.distributed (``DistributedDataParallel``, gloo or nccl) and a single
-process. The training loop is written once against :class:`Backend`.
+torch.distributed (``DistributedDataParallel``; NCCL on GPUs, gloo on the CPU)
+and a single process. Rank queries and collectives are not written here:
+every backend delegates them to :mod:`pksampler.comm`, which serves whichever
+runtime is initialised.
 
 Gradient scale with gathered embeddings: every rank computes the same loss on
 the all-gathered batch. Horovod's allgather averages the incoming gradients
@@ -22,33 +24,52 @@ import numpy as np
 import torch
 from torch import nn
 
-__all__ = ["Backend", "HorovodBackend", "SingleBackend", "TorchBackend", "make_backend"]
+from pksampler import comm
+
+from .device import DeviceSetup, setup_device
+
+__all__ = ["Backend", "HorovodBackend", "TorchBackend", "make_backend"]
 
 
 class Backend:
-    """Single process: every collective is the identity."""
+    """Single process: every collective is the identity (through :mod:`pksampler.comm`)."""
 
     name = "none"
-    rank = 0
-    size = 1
-    local_rank = 0
-    local_size = 1
     gathered_loss_scale = 1.0
 
+    def __init__(self, device: str = "cpu", precision: str = "fp32") -> None:
+        self.rank, self.size = comm.world_info()
+        self.local_rank = comm.local_rank()
+        self.setup: DeviceSetup = setup_device(device, precision, self.local_rank)
+
+    @property
+    def device(self) -> torch.device:
+        return self.setup.device
+
+    # --- collectives: one implementation, in pksampler.comm ------------------------
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return comm.allreduce_mean(tensor)
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Concatenate equal-sized tensors of all ranks along dim 0, keeping gradients."""
-        return tensor
+        return comm.all_gather(tensor)
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
-        """``(F,)`` int64 row of every rank as a ``(W, F)`` array (for the sampler check)."""
-        return self.allgather(torch.from_numpy(np.ascontiguousarray(row))[None]).numpy()
+        """``(F,)`` int64 row of every rank as a ``(W, F)`` array (fingerprints)."""
+        return comm.all_gather_numpy(row, device=self.collective_device)
 
-    def broadcast_object(self, value: Any, root: int = 0) -> Any:
-        return value
+    def broadcast_object(self, value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any:
+        return comm.broadcast_object(value, root, name=name)
 
+    def barrier(self) -> None:
+        comm.barrier()
+
+    @property
+    def collective_device(self) -> torch.device | None:
+        """Where small tensor collectives must live (NCCL: the rank's GPU)."""
+        return None
+
+    # --- data parallelism ------------------------------------------------------------
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Make every rank start from rank 0's parameters and optimizer state."""
 
@@ -61,43 +82,32 @@ class Backend:
         """Context for a backward pass whose gradients are not reduced yet."""
         yield
 
+    def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
+        """Finish the gradient allreduce before the gradients are read (fp16 unscaling)."""
+
+    def skip_synchronize(self, optimizer: torch.optim.Optimizer) -> contextlib.AbstractContextManager:
+        """Context for ``optimizer.step()`` after :meth:`synchronize` was called explicitly."""
+        return contextlib.nullcontext()
+
     def sync_batch_norm(self) -> type[nn.Module] | None:
         return None
-
-    def barrier(self) -> None:
-        pass
 
     def shutdown(self) -> None:
         pass
 
 
-SingleBackend = Backend
-
-
 class HorovodBackend(Backend):
-    """Horovod: ``hvd.init``, ring-allreduce in ``hvd.DistributedOptimizer``."""
+    """Horovod: ``hvd.init``, ring-allreduce in ``hvd.DistributedOptimizer`` (NCCL on GPU builds)."""
 
     name = "horovod"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "auto", precision: str = "auto") -> None:
         import horovod.torch as hvd
 
         hvd.init()
         self.hvd = hvd
-        self.rank, self.size = hvd.rank(), hvd.size()
-        self.local_rank, self.local_size = hvd.local_rank(), hvd.local_size()
+        super().__init__(device, precision)
         self.gathered_loss_scale = float(self.size)
-
-    def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allreduce(tensor, op=self.hvd.Average)
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.hvd.allgather(tensor)
-
-    def broadcast_object(self, value: Any, root: int = 0) -> Any:
-        # An explicit name: the default is the type name, which differs between the
-        # sender (a value) and the receivers (None) and would deadlock.
-        return self.hvd.broadcast_object(value, root_rank=root, name="pksampler.broadcast_object")
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -115,63 +125,54 @@ class HorovodBackend(Backend):
         )
         return model, optimizer
 
+    def synchronize(self, optimizer) -> None:
+        optimizer.synchronize()
+
+    def skip_synchronize(self, optimizer):
+        return optimizer.skip_synchronize()
+
     def sync_batch_norm(self) -> type[nn.Module]:
         return self.hvd.SyncBatchNorm
-
-    def barrier(self) -> None:
-        self.hvd.allreduce(torch.zeros(1), name="barrier")
 
     def shutdown(self) -> None:
         self.hvd.shutdown()
 
 
 class TorchBackend(Backend):
-    """torch.distributed (``torchrun``): gloo on CPU, nccl on GPU, DistributedDataParallel."""
+    """torch.distributed (``torchrun``): NCCL with ``device_ids=[local_rank]`` on GPUs, gloo on the CPU."""
 
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "auto", precision: str = "auto") -> None:
         import torch.distributed as dist
 
+        found = comm.launcher_world()
+        local = found[2] if found is not None else 0
+        setup = setup_device(device, precision, local)  # pin the GPU before NCCL starts
         if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend=backend)
+            if setup.is_cuda:
+                dist.init_process_group(backend="nccl", device_id=setup.device)
+            else:
+                dist.init_process_group(backend="gloo")
         self.dist = dist
-        self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
+        super().__init__(device, precision)
 
-    def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        out = tensor.detach().clone()
-        self.dist.all_reduce(out)
-        return out / self.size
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.requires_grad:
-            from torch.distributed import _functional_collectives as functional
-
-            # autograd-aware: the backward pass reduce-scatters (sums) the gradients
-            gathered = functional.all_gather_tensor_autograd(tensor.contiguous(), 0, self.dist.group.WORLD)
-            return functional.wait_tensor(gathered) if hasattr(functional, "wait_tensor") else gathered
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.dist.all_gather(parts, tensor.contiguous())
-        return torch.cat(parts, dim=0)
-
-    def broadcast_object(self, value: Any, root: int = 0) -> Any:
-        holder = [value]
-        self.dist.broadcast_object_list(holder, src=root)
-        return holder[0]
+    @property
+    def collective_device(self) -> torch.device | None:
+        return self.device if self.setup.is_cuda else None
 
     def broadcast_state(self, model, optimizer) -> None:
         for tensor in model.state_dict().values():
             self.dist.broadcast(tensor, src=0)
-        state = self.broadcast_object(optimizer.state_dict() if self.rank == 0 else None)
+        state = self.broadcast_object(optimizer.state_dict() if self.rank == 0 else None,
+                                      name="pksampler.optimizer_state")
         optimizer.load_state_dict(state)
 
     def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step):
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model)
+        device_ids = [self.device.index] if self.setup.is_cuda else None
+        wrapped = DistributedDataParallel(model, device_ids=device_ids)
         if fp16_allreduce:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -186,9 +187,6 @@ class TorchBackend(Backend):
     def sync_batch_norm(self) -> type[nn.Module]:
         return nn.SyncBatchNorm
 
-    def barrier(self) -> None:
-        self.dist.barrier()
-
     def shutdown(self) -> None:
         self.dist.destroy_process_group()
 
@@ -201,19 +199,19 @@ def _launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
 
 
-def make_backend(choice: str = "auto") -> Backend:
+def make_backend(choice: str = "auto", *, device: str = "auto", precision: str = "auto") -> Backend:
     """The backend for ``distributed.backend``: auto picks the launcher's runtime.
 
     ``auto``: Horovod under horovodrun, torch.distributed under torchrun,
     else Horovod with one rank if it imports, else a single process.
     """
     if choice == "horovod" or (choice == "auto" and _launched_by_horovodrun()):
-        return HorovodBackend()
+        return HorovodBackend(device, precision)
     if choice == "torch" or (choice == "auto" and _launched_by_torchrun()):
-        return TorchBackend()
+        return TorchBackend(device, precision)
     if choice == "none":
-        return Backend()
+        return Backend(device, precision)
     try:
-        return HorovodBackend()
+        return HorovodBackend(device, precision)
     except ImportError:
-        return Backend()
+        return Backend(device, precision)

@@ -15,6 +15,10 @@ POOLINGS = ("avg", "gem", "avgmax")
 NECKS = ("none", "batch", "layer")
 
 
+#: the values of ``model.norm``
+NORMS = ("group", "batch", "sync_batch", "none")
+
+
 def norm_factory(kind: str, sync_batch_norm: type[nn.Module] | None = None) -> NormFactory:
     """A constructor for the chosen normalisation layer.
 

@@ -1,54 +1,157 @@
-"""Training curves drawn with Pillow (no plotting library needed)."""
+"""Training curves as a matplotlib figure (headless Agg), written atomically.
+
+Two panels side by side:
+
+1. training loss per optimizer step: the raw values as faint points and a
+   smoothed line (exponential moving average with bias correction, the
+   smoothing TensorBoard shows), so a noisy loss still shows its trend;
+2. held-out retrieval per evaluation (x = epoch): Recall@1 and, when given,
+   MAP@R, on a fixed 0..1 scale so runs compare by eye.
+
+matplotlib is imported lazily and switched to the ``Agg`` backend before
+pyplot is loaded, so the trainer works on machines without a display and
+nothing imports matplotlib unless a figure is drawn. The figure is built by
+:func:`curves_figure` (tests inspect it) and saved by :func:`save_curves_png`
+into memory, then through :func:`pksampler.files.atomic_write_bytes`.
+"""
 
 from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
-from PIL import Image, ImageDraw
+import numpy as np
 
-from .checkpoint import atomic_write_bytes
+from pksampler.arrays import as_numpy
+from pksampler.files import atomic_write_bytes
 
-__all__ = ["save_curves_png"]
-
-
-def _panel(draw: ImageDraw.ImageDraw, box: tuple[int, int, int, int], xs: Sequence[float], ys: Sequence[float],
-           title: str, colour: tuple[int, int, int]) -> None:
-    left, top, right, bottom = box
-    draw.rectangle(box, outline=(90, 90, 90))
-    draw.text((left + 6, top + 4), title, fill=(0, 0, 0))
-    if not xs:
-        draw.text((left + 6, top + 20), "no data", fill=(120, 120, 120))
-        return
-    x_low, x_high = min(xs), max(xs)
-    y_low, y_high = min(ys), max(ys)
-    if x_high == x_low:
-        x_high = x_low + 1
-    if y_high == y_low:
-        y_high = y_low + 1e-6
-    pad = 24
-
-    def point(x: float, y: float) -> tuple[float, float]:
-        px = left + pad + (x - x_low) / (x_high - x_low) * (right - left - 2 * pad)
-        py = bottom - pad - (y - y_low) / (y_high - y_low) * (bottom - top - 2 * pad)
-        return px, py
-
-    points = [point(x, y) for x, y in zip(xs, ys)]
-    if len(points) > 1:
-        draw.line(points, fill=colour, width=2)
-    for p in points if len(points) < 40 else points[-1:]:
-        draw.ellipse([p[0] - 3, p[1] - 3, p[0] + 3, p[1] + 3], fill=colour)
-    draw.text((left + 6, bottom - 16), f"x: {x_low:g}..{x_high:g}   y: {y_low:.4g}..{y_high:.4g}", fill=(60, 60, 60))
+__all__ = ["curves_figure", "save_curves_png", "smooth"]
 
 
-def save_curves_png(path: str | Path, loss_steps: Sequence[float], losses: Sequence[float],
-                    eval_epochs: Sequence[float], recalls: Sequence[float]) -> Path:
-    """Two panels: training loss per step, held-out Recall@1 per evaluation."""
-    image = Image.new("RGB", (900, 320), (255, 255, 255))
-    draw = ImageDraw.Draw(image)
-    _panel(draw, (10, 10, 445, 310), loss_steps, losses, "train loss (per step)", (30, 90, 200))
-    _panel(draw, (455, 10, 890, 310), eval_epochs, recalls, "held-out Recall@1 (per epoch)", (20, 150, 40))
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def smooth(values: Any, *, weight: float | None = None) -> np.ndarray:
+    """Exponential moving average with bias correction (no pull towards 0 at the start).
+
+    ``weight`` (0 <= w < 1) is the share of the past kept per step; ``None``
+    picks ``1 - 1/span`` with ``span = max(1, n / 20)``, i.e. about 5 % of the
+    run, so long and short runs look equally smooth.
+    """
+    values = as_numpy(values, name="smooth(values=)", dtype=np.float64, ndim=1)
+    if weight is None:
+        weight = 1.0 - 1.0 / max(1.0, values.size / 20.0)
+    if not 0.0 <= weight < 1.0:
+        raise ValueError(f"smooth(weight=) must be in [0, 1), got {weight!r}")
+    out = np.empty_like(values)
+    running, norm = 0.0, 0.0
+    for i, value in enumerate(values):  # n is the number of logged steps: small
+        running = weight * running + (1.0 - weight) * value
+        norm = weight * norm + (1.0 - weight)
+        out[i] = running / norm
+    return out
+
+
+def _series(name: str, values: Sequence[float] | None, length: int | None = None) -> np.ndarray:
+    array = as_numpy([] if values is None else values, name=f"save_curves_png({name}=)", dtype=np.float64, ndim=1)
+    if length is not None and array.size not in (0, length):
+        raise ValueError(f"save_curves_png({name}=) must have one value per point ({length}), got {array.size}")
+    return array
+
+
+def curves_figure(
+    loss_steps: Sequence[float],
+    losses: Sequence[float],
+    eval_epochs: Sequence[float],
+    recalls: Sequence[float],
+    map_at_r: Sequence[float] | None = None,
+    *,
+    title: str = "Training run",
+    smoothing: float | None = None,
+):
+    """The two-panel figure (see the module docstring); the caller owns (and closes) it.
+
+    Args:
+        loss_steps: global step of each logged loss.
+        losses: mean training loss of that step.
+        eval_epochs: epoch (1-based, completed epochs) of each evaluation.
+        recalls: held-out Recall@1 of each evaluation.
+        map_at_r: held-out MAP@R of each evaluation (optional).
+        title: figure title, e.g. the config name and world size.
+        smoothing: EMA weight for the loss line, ``None`` = automatic (see :func:`smooth`).
+    """
+    steps = _series("loss_steps", loss_steps)
+    loss = _series("losses", losses, steps.size)
+    epochs = _series("eval_epochs", eval_epochs)
+    recall = _series("recalls", recalls, epochs.size)
+    mapr = _series("map_at_r", map_at_r, epochs.size)
+    plt = _pyplot()
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100, layout="constrained")
+    figure.suptitle(title, fontsize=14)
+
+    left.set_title("Training loss")
+    left.set_xlabel("global step (optimizer updates)")
+    left.set_ylabel("loss (mean over the global batch)")
+    if steps.size:
+        left.plot(steps, loss, linestyle="none", marker=".", markersize=3, alpha=0.35, color="tab:blue",
+                  label="per step")
+        left.plot(steps, smooth(loss, weight=smoothing), color="tab:blue", linewidth=2, label="smoothed (EMA)")
+        left.legend(loc="upper right")
+        if steps.min() == steps.max():  # one step: an axis around it, not a 0.1-wide one
+            left.set_xlim(steps[0] - 1, steps[0] + 1)
+    else:
+        left.text(0.5, 0.5, "no steps logged", ha="center", va="center", transform=left.transAxes, color="grey")
+    left.grid(True, alpha=0.3)
+
+    right.set_title("Held-out classes (retrieval)")
+    right.set_xlabel("epoch")
+    right.set_ylabel("score (0 to 1)")
+    right.set_ylim(0.0, 1.05)
+    if epochs.size:
+        right.plot(epochs, recall, marker="o", color="tab:green", label="Recall@1")
+        if mapr.size:
+            right.plot(epochs, mapr, marker="s", color="tab:purple", label="MAP@R")
+        right.annotate(f"{recall[-1]:.3f}", (epochs[-1], recall[-1]), textcoords="offset points", xytext=(0, 8),
+                       ha="center", color="tab:green")
+        low, high = float(epochs.min()), float(epochs.max())
+        right.set_xlim(low - 0.5, high + 0.5)
+        right.legend(loc="lower right")
+    else:
+        right.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=right.transAxes,
+                   color="grey")
+    right.grid(True, alpha=0.3)
+    from matplotlib.ticker import MaxNLocator
+
+    for axes in (left, right):  # steps and epochs are whole numbers
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    return figure
+
+
+def save_curves_png(
+    path: str | Path,
+    loss_steps: Sequence[float],
+    losses: Sequence[float],
+    eval_epochs: Sequence[float],
+    recalls: Sequence[float],
+    map_at_r: Sequence[float] | None = None,
+    *,
+    title: str = "Training run",
+    smoothing: float | None = None,
+) -> Path:
+    """Draw :func:`curves_figure` and write it as a PNG atomically; returns the path."""
+    figure = curves_figure(loss_steps, losses, eval_epochs, recalls, map_at_r, title=title, smoothing=smoothing)
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
+    try:
+        figure.savefig(buffer, format="png")
+    finally:
+        _pyplot().close(figure)
     return atomic_write_bytes(path, buffer.getvalue())
+
+

@@ -3,7 +3,7 @@
 Usage::
 
     horovodrun -np 16 python train/retrieval.py [--config configs/products.yaml] [--set key=value ...]
-    torchrun --nproc_per_node 2 train/retrieval.py --set distributed.backend=torch
+    torchrun --nproc_per_node 2 train/retrieval.py
     python train/retrieval.py                      # one process, the synthetic default
 
 With no arguments it trains on the built-in synthetic product set
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
+import traceback
 from pathlib import Path
+from typing import Any, Iterable
 
 HERE = Path(__file__).resolve().parent
 # Run as a script, Python puts train/ first on sys.path; drop it so module
@@ -38,18 +41,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _rank_from_environment() -> int:
-    from pksampler.samplers import world_info
-
+def _rank() -> int:
     try:
+        from pksampler.comm import world_info
+
         return world_info()[0]
     except ValueError:
         return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def _report_and_exit(message: str, status: int) -> int:
+    """One line from rank 0; the other ranks wait a moment so the launcher never cuts rank 0 short."""
+    if _rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    else:
+        time.sleep(2.0)
+    return status
+
+
+def _report_unexpected(error: BaseException) -> int:
+    """Rank 0 shows the whole traceback; the others one line naming where they failed."""
+    if _rank() == 0:
+        traceback.print_exc()
+        sys.stderr.flush()
+    else:
+        frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+        where = f" at {frame.filename}:{frame.lineno}" if frame else ""
+        print(f"[pksampler] rank {_rank()}: {type(error).__name__}: {error}{where} (traceback on rank 0)",
+              file=sys.stderr, flush=True)
+        time.sleep(2.0)
+    return 1
+
+
+def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
+    """Parse arguments, load the config, train; returns the exit status (2: config or data error)."""
     args = parse_args(argv)
+    from pksampler.samplers import SamplerMismatchError
     from pksampler.train.config import ConfigError, load_config
+    from pksampler.train.trainer import TrainingDiverged
 
     overrides = list(args.overrides)
     if args.resume is not None:
@@ -59,12 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(path, overrides)
         from pksampler.train.trainer import main as train_main
 
-        result = train_main(config)
-    except (ConfigError, FileNotFoundError) as error:
-        # Every rank hits the same error; only rank 0 reports it.
-        if _rank_from_environment() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        return 2
+        result = train_main(config, extra_hooks)
+    except (ConfigError, SamplerMismatchError) as error:
+        # Every rank hits the same error (set-up failures are raised together); rank 0 reports it.
+        return _report_and_exit(f"error: {error}", 2)
+    except TrainingDiverged as error:
+        return _report_and_exit(f"error: {error}", 1)
+    except Exception as error:  # noqa: BLE001 - shown once, then a non-zero exit
+        return _report_unexpected(error)
     if result.final_metrics:
         print("[pksampler] final: " + " ".join(f"{k}={v:.4f}" for k, v in result.final_metrics.items()
                                                if isinstance(v, float)), flush=True)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-from pksampler.train.checkpoint import load_checkpoint, save_checkpoint
 from pksampler.train.losses import batch_hard_triplet, build_loss, contrastive, multi_similarity, triplet
 from pksampler.train.model import EmbeddingNet, norm_factory
 
@@ -63,21 +60,3 @@ def test_losses_are_finite_differentiable_and_reward_separation():
 def test_build_loss_rejects_unknown_arguments():
     with pytest.raises(ValueError, match=r"unknown argument 'margn' for loss 'batch_hard'"):
         build_loss("batch_hard", {"margn": 0.2})
-
-
-def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
-    path = tmp_path / "ck" / "last.pt"
-    save_checkpoint(path, {"step": 1})
-    assert load_checkpoint(path) == {"step": 1}
-
-    def broken_replace(src, dst):
-        raise OSError("disk full")
-
-    monkeypatch.setattr(os, "replace", broken_replace)
-    with pytest.raises(OSError, match="disk full"):
-        save_checkpoint(path, {"step": 2})
-    monkeypatch.undo()
-    assert load_checkpoint(path) == {"step": 1}  # the earlier checkpoint survives
-    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]  # no temporary left
-    with pytest.raises(FileNotFoundError, match="checkpoint not found"):
-        load_checkpoint(tmp_path / "missing.pt")

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("name", ["demo.yaml", "products.yaml", "triplet.yaml"])
 def test_shipped_configs_load(name):
     config = load_config(ROOT / "configs" / name, environ={})
-    assert isinstance(config, RunConfig) and config.batch_size > 0
+    assert isinstance(config, RunConfig)
+    assert config.sampler.classes_per_step > 0 and config.sampler.samples_per_class > 0
 
 
 def test_unknown_keys_are_named(tmp_path):
@@ -29,31 +30,92 @@ def test_unknown_keys_are_named(tmp_path):
 def test_types_and_choices_are_checked():
     with pytest.raises(ConfigError, match=r"train.epochs: expected an integer, got 'three'"):
         load_config(None, ["train.epochs=three"], environ={})
-    with pytest.raises(ConfigError, match=r"model.norm: must be one of .*got 'layer'"):
+    with pytest.raises(ConfigError, match=r"model.norm: must be one of \['group', .*got 'layer'"):
         load_config(None, ["model.norm=layer"], environ={})
     with pytest.raises(ConfigError, match=r"data.test_fraction: must be in \(0, 1\), got 1.0"):
         load_config(None, ["data.test_fraction=1.0"], environ={})
+    with pytest.raises(ConfigError, match=r"sampler.classes_per_step: expected an integer, got 'two'"):
+        load_config(None, ["sampler.classes_per_step=two"], environ={})
+
+
+def test_choice_lists_come_from_the_registries():
+    from pksampler.train.builders import DATA_SOURCES
+    from pksampler.train.losses import loss_names
+
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["data.name=nowhere"], environ={})
+    assert str(list(DATA_SOURCES)) in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["loss.name=nothing"], environ={})
+    assert str(list(loss_names())) in str(caught.value) and "pml.<Name>" in str(caught.value)
+    assert load_config(None, ["loss.name=pml.TripletMarginLoss"], environ={}).loss.name == "pml.TripletMarginLoss"
+
+
+@pytest.mark.parametrize("override, message", [
+    ("optim.lr=.inf", r"optim.lr: must be a finite number > 0, got inf"),
+    ("optim.lr=.nan", r"optim.lr: must be a finite number > 0, got nan"),
+    ("optim.lr=0", r"optim.lr: must be a finite number > 0, got 0"),
+    ("optim.lr=-0.1", r"optim.lr: must be a finite number > 0, got -0.1"),
+    ("train.max_steps=-1", r"train.max_steps: must be an integer >= 0, got -1"),
+    ("train.gallery_queries=0", r"train.gallery_queries: must be an integer >= 1, got 0"),
+    ("optim.base_batch=0", r"optim.base_batch: must be an integer >= 1, got 0"),
+    ("seed=9223372036854775808", r"seed: must be an integer in \[0, 2\*\*63\), got 9223372036854775808"),
+    ("seed=-1", r"seed: must be an integer in \[0, 2\*\*63\)"),
+    ("optim.weight_decay=.nan", r"optim.weight_decay: must be a finite number >= 0"),
+    ("train.checkpoint_every=-5", r"train.checkpoint_every: must be an integer >= 0"),
+    ("train.device=tpu", r"train.device: must be one of \['auto', 'cpu', 'cuda'\], got 'tpu'"),
+    ("train.precision=fp8", r"train.precision: must be one of"),
+    ("sampler.args={classes_per_batch: 4}", r"sampler.args.classes_per_batch: set by the trainer; the batch is "
+                                            r"configured globally"),
+    ("loss.memory={size: 0}", r"loss.memory.size: must be an integer >= 1, got 0"),
+])
+def test_bad_values_are_refused_at_load_with_the_key_named(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override], environ={})
+
+
+@pytest.mark.parametrize("environ, message", [
+    ({"LR": "inf"}, r"optim.lr: must be a finite number > 0, got inf"),
+    ({"LR": "nan"}, r"optim.lr: must be a finite number > 0, got nan"),
+    ({"EPOCHS": "ten"}, r"EPOCHS='ten' must be an integer"),
+    ({"BATCH_SIZE": "30"}, r"BATCH_SIZE=30 must be a multiple of sampler.samples_per_class=4"),
+])
+def test_bad_environment_values_are_named(environ, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, environ=environ)
+
+
+def test_bad_set_syntax_is_one_clear_error():
+    with pytest.raises(ConfigError, match=r"--set train.epochs: '\[1' is not a valid YAML value"):
+        load_config(None, ["train.epochs=[1"], environ={})
+    with pytest.raises(ConfigError, match=r"--set expects key=value"):
+        load_config(None, ["train.epochs"], environ={})
 
 
 def test_environment_overrides_file_and_set_overrides_environment(tmp_path):
     environ = {"EPOCHS": "5", "LR": "0.01", "WORKSPACE": str(tmp_path / "ws"), "DATASETS_PATH": "/data",
-               "DATASETS": "sop", "BATCH_SIZE": "48", "WORKER_PER_NODE": "3"}
+               "DATASETS": "sop", "WORKER_PER_NODE": "3"}
     config = load_config(ROOT / "configs" / "demo.yaml", environ=environ)
     assert config.train.epochs == 5 and config.optim.lr == 0.01
     assert config.workspace == str(tmp_path / "ws") and config.data.root == "/data/sop"
-    assert config.batch_size == 48 and config.sampler.args["classes_per_batch"] == 12
     assert config.data.workers == 3
     config = load_config(ROOT / "configs" / "demo.yaml", ["train.epochs=7"], environ=environ)
     assert config.train.epochs == 7
 
 
-def test_bad_environment_values_are_named():
-    with pytest.raises(ConfigError, match=r"EPOCHS='ten' must be a int"):
-        load_config(None, environ={"EPOCHS": "ten"})
-    with pytest.raises(ConfigError, match=r"BATCH_SIZE=30 must be a multiple of sampler.args.samples_per_class=4"):
-        load_config(None, environ={"BATCH_SIZE": "30"})
+@pytest.mark.parametrize("launcher", [
+    {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "8"},
+    {"RANK": "0", "WORLD_SIZE": "8"},
+])
+def test_batch_size_is_images_per_process_and_sets_the_global_step(launcher):
+    # 8 processes x 48 images = 384 images per step = 96 classes of K=4.
+    config = load_config(ROOT / "configs" / "demo.yaml", environ={"BATCH_SIZE": "48", **launcher})
+    assert config.sampler.classes_per_step == 96 and config.sampler.samples_per_class == 4
+    single = load_config(ROOT / "configs" / "demo.yaml", environ={"BATCH_SIZE": "48"})
+    assert single.sampler.classes_per_step == 12
 
 
-def test_batch_size_is_derived():
-    config = load_config(None, ["sampler.args={classes_per_batch: 6, samples_per_class: 5}"], environ={})
-    assert config.batch_size == 30
+def test_triplet_batch_size_sets_triplets_per_step():
+    config = load_config(ROOT / "configs" / "triplet.yaml", environ={"BATCH_SIZE": "30", "HOROVOD_RANK": "0",
+                                                                     "HOROVOD_SIZE": "2"})
+    assert config.sampler.triplets_per_step == 20

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from pksampler.train.evaluate import _normalise, knn_search, retrieval_metrics, save_gallery_png
+from pksampler.train.evaluate import evaluate_retrieval, knn_search, retrieval_metrics
+from pksampler.train.metrics import _normalise
 
 
 def reference_metrics(query, query_labels, gallery=None, gallery_labels=None, ks=(1, 5, 10), metric="cosine"):
@@ -123,7 +123,7 @@ def test_torch_input_and_knn_search():
     ("kwargs", "error", "match"),
     [
         ({"query": np.full((3, 2), np.nan)}, ValueError, r"query=\) contains NaN or Inf \(first in row 0\)"),
-        ({"query": np.zeros(3)}, ValueError, r"query=\) must be a non-empty 2-D"),
+        ({"query": np.zeros(3)}, ValueError, r"query=\) must be 2-D, got shape \(3,\)"),
         ({"query_labels": [0, 1]}, ValueError, r"query_labels=\) must be 1-D with one label per row of query \(3\)"),
         ({"metric": "hamming"}, ValueError, r"metric=\) must be one of \['cosine', 'l2', 'ip'\], got 'hamming'"),
         ({"ks": (0,)}, ValueError, r"ks=\) must be positive ints"),
@@ -139,13 +139,96 @@ def test_bad_input(kwargs, error, match):
         retrieval_metrics(**args)
 
 
-def test_gallery_png_frames_right_and_wrong(tmp_path):
-    images = [np.full((16, 16, 3), v, np.uint8) for v in (0, 60, 120, 180)]
-    path = save_gallery_png(tmp_path / "out" / "gallery.png", images[:2], [images[1:4], images[0:3]],
-                            [[True, False, True], [False, False, True]], cell=20, border=2)
-    picture = np.asarray(Image.open(path))
-    assert picture.shape == (2 * 24 + 4, 4 * 24 + 4, 3)
-    # frame pixel left of the first neighbour in row 0: green; in row 1: red
-    assert tuple(picture[4 + 10, 4 + 24 - 1]) == (0, 170, 0)
-    assert tuple(picture[4 + 24 + 10, 4 + 24 - 1]) == (210, 0, 0)
-    assert not list((tmp_path / "out").glob(".*"))  # no temporary left behind
+def reference_ranking(query, gallery, metric="cosine", exclude_self=False):
+    """Every query's full gallery ranking by (float64 distance, index), self dropped if asked."""
+    query, gallery = np.asarray(query, np.float32), np.asarray(gallery, np.float32)
+    if metric == "cosine":
+        query, gallery = _normalise(query), _normalise(gallery)
+    q, g = query.astype(np.float64), gallery.astype(np.float64)
+    dist = ((q[:, None] - g[None]) ** 2).sum(-1) if metric == "l2" else -(q @ g.T)
+    rankings = []
+    for i in range(len(q)):
+        candidates = np.arange(len(g))
+        if exclude_self:
+            candidates = candidates[candidates != i]
+        rankings.append(candidates[np.lexsort((candidates, dist[i, candidates]))])
+    return rankings
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2", "ip"])
+def test_collapsed_model_all_embeddings_equal_match_reference(metric):
+    x = np.tile(np.float32([[0.6, -0.8, 0.0]]), (300, 1))
+    labels = np.random.default_rng(4).integers(0, 12, 300)
+    assert_same(retrieval_metrics(x, labels, metric=metric), reference_metrics(x, labels, metric=metric))
+    # every neighbour list is the lowest gallery indices, the query itself skipped
+    _, ids = knn_search(x, x, 7, metric=metric, exclude_self=True)
+    assert (ids[0] == np.arange(1, 8)).all() and (ids[5] == [0, 1, 2, 3, 4, 6, 7]).all()
+    assert (ids[299] == np.arange(7)).all()
+
+
+def test_sparse_tie_groups_need_several_scan_blocks(monkeypatch):
+    # Three distinct points; the copies of point 0 sit every 97th index, so the
+    # items tied with a query at point 0 are spread over the whole gallery.
+    monkeypatch.setattr("pksampler.train.metrics._TIE_BUDGET", 64)  # many small row/column steps
+    n = 2000
+    points = np.float32([[0, 0], [5, 0], [0, 7]])
+    kind = np.where(np.arange(n) % 97 == 0, 0, 1 + np.arange(n) % 2)
+    x = points[kind]
+    labels = np.arange(n) % 5
+    queries = np.flatnonzero(kind == 0)
+    for metric in ("l2", "ip"):
+        want = reference_ranking(x[queries], x, metric)
+        _, ids = knn_search(x[queries], x, 12, metric=metric)
+        assert all((got == w[:12]).all() for got, w in zip(ids, want))
+    assert_same(retrieval_metrics(x, labels, metric="l2", ks=(1, 5)),
+                reference_metrics(x, labels, metric="l2", ks=(1, 5)))
+
+
+def test_ties_crossing_the_cut_with_a_separate_gallery():
+    rng = np.random.default_rng(5)
+    gallery = np.concatenate([rng.normal(size=(200, 4)), np.tile(rng.normal(size=(1, 4)), (300, 1))])
+    gallery = gallery[rng.permutation(500)].astype(np.float32)
+    query = np.concatenate([gallery[:40], gallery[:40] + 1e-3]).astype(np.float32)
+    g_labels, q_labels = rng.integers(0, 7, 500), rng.integers(0, 7, 80)
+    for metric in ("cosine", "l2"):
+        assert_same(retrieval_metrics(query, q_labels, gallery, g_labels, metric=metric, ks=(1, 10)),
+                    reference_metrics(query, q_labels, gallery, g_labels, metric=metric, ks=(1, 10)))
+
+
+def test_evaluate_retrieval_returns_the_neighbours_of_requested_rows():
+    rng = np.random.default_rng(6)
+    x = rng.normal(size=(120, 5)).astype(np.float32)
+    x[60:70] = x[0]  # ties
+    labels = rng.integers(0, 10, 120)
+    labels[119] = 99  # a singleton class: excluded from the metrics, still shown
+    rows = np.array([119, 0, 65, 3])
+    result = evaluate_retrieval(x, labels, neighbour_rows=rows, num_neighbours=6)
+    assert result.metrics == retrieval_metrics(x, labels)
+    assert result.metrics["num_excluded"] == 1
+    assert (result.rows == rows).all() and result.neighbours.shape == (4, 6)
+    want = reference_ranking(x, x, exclude_self=True)
+    for row, got in zip(rows, result.neighbours):
+        assert (got == want[row][:6]).all()
+    normalised = _normalise(x)
+    cosine = np.einsum("rd,rkd->rk", normalised[rows], normalised[result.neighbours])
+    assert result.similarities == pytest.approx(cosine, abs=1e-5)
+    assert (np.diff(result.similarities, axis=1) <= 1e-6).all()  # nearest first
+    with pytest.raises(ValueError, match=r"neighbour_rows=\) must lie in \[0, 120\), got values from 0 to 120"):
+        evaluate_retrieval(x, labels, neighbour_rows=[0, 120])
+    empty = evaluate_retrieval(x, labels)
+    assert empty.neighbours.shape == (0, 5) and empty.rows.size == 0
+
+
+def test_as_numpy_is_the_shared_coercion():
+    from pksampler.arrays import as_numpy
+
+    out = as_numpy(torch.ones(2, 3, requires_grad=True), name="f(x=)", dtype=np.float32, ndim=2)
+    assert out.dtype == np.float32 and out.flags.c_contiguous
+    with pytest.raises(ValueError, match=r"f\(x=\) must be 2-D, got shape \(3,\)"):
+        as_numpy(np.zeros(3), name="f(x=)", ndim=2)
+    with pytest.raises(ValueError, match=r"f\(x=\) must be non-empty, got shape \(0, 2\)"):
+        as_numpy(np.zeros((0, 2)), name="f(x=)", non_empty=True)
+    with pytest.raises(ValueError, match=r"contains NaN or Inf \(first in row 1\)"):
+        as_numpy([[0.0], [np.inf]], name="f(x=)", finite=True)
+    with pytest.raises(TypeError, match=r"f\(x=\) must be numeric \(float or signed int or unsigned int\)"):
+        as_numpy(["a"], name="f(x=)")

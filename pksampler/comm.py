@@ -1,0 +1,194 @@
+"""Rank, world size and the few collectives pksampler needs, written once.
+
+Everything that asks "which rank am I" or talks to the other ranks goes
+through this module (the role of detectron2's ``utils/comm.py``): the
+samplers' auto-detection and consistency check, the triplet sampler's
+neighbour-table broadcast and the trainer's backends.
+
+Runtimes, in the order they are looked for:
+
+1. Horovod, if the program imported ``horovod.torch`` and called ``hvd.init()``;
+2. torch.distributed, if a process group is initialised;
+3. neither: one process (collectives are the identity), except that
+   :func:`world_info` still reads a launcher's environment so a sampler built
+   before the runtime starts gets the right rank.
+
+This module never imports Horovod itself; it only uses one the program
+started, so importing it (and the samplers) costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "LAUNCHER_ENVIRONMENT",
+    "all_gather",
+    "all_gather_numpy",
+    "allreduce_mean",
+    "barrier",
+    "broadcast_object",
+    "initialised_horovod",
+    "initialised_torch_distributed",
+    "is_main_process",
+    "launcher_world",
+    "local_rank",
+    "world_info",
+]
+
+#: (rank, size, local rank) variables set by the launchers pksampler knows
+LAUNCHER_ENVIRONMENT = (
+    ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+)
+
+
+def initialised_horovod() -> Any | None:
+    """``horovod.torch`` if the program imported and initialised it, else None."""
+    hvd = sys.modules.get("horovod.torch")
+    try:
+        return hvd if hvd is not None and hvd.is_initialized() else None
+    except (AttributeError, ValueError, RuntimeError):
+        return None
+
+
+def initialised_torch_distributed() -> Any | None:
+    """``torch.distributed`` if a process group is initialised, else None."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def launcher_world(environ: dict[str, str] | None = None) -> tuple[int, int, int] | None:
+    """``(rank, size, local_rank)`` from a launcher's environment variables, or None.
+
+    Raises ValueError naming the variables when they are set but not integers.
+    """
+    environ = os.environ if environ is None else environ
+    for rank_key, size_key, local_key in LAUNCHER_ENVIRONMENT:
+        rank, size = environ.get(rank_key), environ.get(size_key)
+        if rank is None or size is None:
+            continue
+        local = environ.get(local_key, rank)
+        try:
+            return int(rank), int(size), int(local)
+        except ValueError:
+            raise ValueError(
+                f"environment variables {rank_key}={rank!r}, {size_key}={size!r} and {local_key}={local!r} "
+                "must be integers"
+            ) from None
+    return None
+
+
+def world_info() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process: Horovod, torch.distributed, the launcher's environment, else (0, 1)."""
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return int(hvd.rank()), int(hvd.size())
+    dist = initialised_torch_distributed()
+    if dist is not None:
+        return int(dist.get_rank()), int(dist.get_world_size())
+    found = launcher_world()
+    return (found[0], found[1]) if found is not None else (0, 1)
+
+
+def local_rank() -> int:
+    """This process's rank on its node (selects its GPU)."""
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return int(hvd.local_rank())
+    found = launcher_world()
+    return found[2] if found is not None else 0
+
+
+def is_main_process() -> bool:
+    """True on rank 0 (the one that logs and writes)."""
+    return world_info()[0] == 0
+
+
+def all_gather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0 (equal shapes), keeping gradients.
+
+    In backward, Horovod averages the incoming gradients and torch sums them
+    (see :class:`pksampler.train.distributed.Backend.gathered_loss_scale`).
+    """
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return hvd.allgather(tensor, name=name)
+    dist = initialised_torch_distributed()
+    if dist is None:
+        return tensor
+    if tensor.requires_grad:
+        from torch.distributed import _functional_collectives as functional
+
+        gathered = functional.all_gather_tensor_autograd(tensor.contiguous(), 0, dist.group.WORLD)
+        return functional.wait_tensor(gathered) if hasattr(functional, "wait_tensor") else gathered
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts, dim=0)
+
+
+def all_gather_numpy(row: np.ndarray, *, device: torch.device | str | None = None) -> np.ndarray:
+    """Every rank's 1-D int64 ``row`` as a ``(W, F)`` array (fingerprints, small tables).
+
+    ``device``: where the collective runs (NCCL needs the rank's GPU); the
+    result always comes back to host memory.
+    """
+    tensor = torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64))[None]
+    if device is not None:
+        tensor = tensor.to(device)
+    return all_gather(tensor, name="pksampler.all_gather_numpy").cpu().numpy()
+
+
+def allreduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """The mean of ``tensor`` over ranks (no gradient)."""
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return hvd.allreduce(tensor.detach(), op=hvd.Average)
+    dist = initialised_torch_distributed()
+    if dist is None:
+        return tensor.detach()
+    out = tensor.detach().clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size()
+
+
+def broadcast_object(value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any:
+    """``value`` of rank ``root`` on every rank (any picklable object; sent, never read from disk).
+
+    ``name`` must be the same on every rank: Horovod's default name is the
+    value's type name, which differs between the sender (a value) and the
+    receivers (None) and would deadlock.
+    """
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return hvd.broadcast_object(value, root_rank=root, name=name)
+    dist = initialised_torch_distributed()
+    if dist is None:
+        return value
+    holder = [value]
+    device = None
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    dist.broadcast_object_list(holder, src=root, device=device)
+    return holder[0]
+
+
+def barrier() -> None:
+    """Wait until every rank arrives."""
+    hvd = initialised_horovod()
+    if hvd is not None:
+        hvd.allreduce(torch.zeros(1), name="pksampler.barrier")
+        return
+    dist = initialised_torch_distributed()
+    if dist is not None:
+        dist.barrier()

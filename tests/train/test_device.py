@@ -1,0 +1,60 @@
+"""Device and precision resolution: every branch that needs no GPU, on the CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from pksampler.train.config import ConfigError
+from pksampler.train.device import DeviceSetup, resolve_device, resolve_precision
+
+
+def test_auto_uses_the_local_ranks_gpu_when_there_is_one():
+    assert resolve_device("auto", 0, cuda_available=False) == torch.device("cpu")
+    assert resolve_device("auto", 3, cuda_available=True, cuda_count=8) == torch.device("cuda", 3)
+    assert resolve_device("cpu", 3, cuda_available=True, cuda_count=8) == torch.device("cpu")
+
+
+def test_cuda_without_a_gpu_or_a_rank_without_its_own_gpu_is_a_config_error():
+    with pytest.raises(ConfigError, match=r"train.device: 'cuda' was asked for but torch sees no CUDA device"):
+        resolve_device("cuda", 0, cuda_available=False)
+    with pytest.raises(ConfigError, match=r"train.device: local rank 2 has no GPU of its own \(2 visible\)"):
+        resolve_device("cuda", 2, cuda_available=True, cuda_count=2)
+
+
+@pytest.mark.parametrize("choice, supported, expected", [
+    ("auto", True, "bf16"), ("auto", False, "fp16"), ("fp32", True, "fp32"), ("fp16", True, "fp16"),
+])
+def test_precision_on_cuda(choice, supported, expected):
+    assert resolve_precision(choice, torch.device("cuda", 0), bf16_supported=lambda: supported) == expected
+
+
+def test_precision_on_the_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu) == "fp32" and resolve_precision("bf16", cpu) == "bf16"
+    with pytest.raises(ConfigError, match=r"train.precision: 'fp16' needs a CUDA device"):
+        resolve_precision("fp16", cpu)
+
+
+def test_cpu_setup_keeps_tensors_where_they_are_and_autocasts_bf16():
+    fp32 = DeviceSetup(torch.device("cpu"), "fp32")
+    images = torch.randn(2, 3, 8, 8)
+    assert fp32.to_device(images) is images and not fp32.pin_memory and fp32.grad_scaler() is None
+    assert fp32.memory_format == torch.contiguous_format
+    layer = torch.nn.Linear(4, 4)
+    with fp32.autocast():
+        assert layer(torch.randn(2, 4)).dtype == torch.float32
+    bf16 = DeviceSetup(torch.device("cpu"), "bf16")
+    with bf16.autocast():
+        assert layer(torch.randn(2, 4)).dtype == torch.bfloat16
+    assert bf16.grad_scaler() is None
+
+
+def test_cuda_setup_asks_for_pinned_memory_channels_last_and_an_fp16_scaler():
+    setup = DeviceSetup(torch.device("cuda", 0), "fp16")
+    assert setup.is_cuda and setup.pin_memory and setup.memory_format == torch.channels_last
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without a GPU torch disables the scaler, with a warning
+        assert isinstance(setup.grad_scaler(), torch.amp.GradScaler)

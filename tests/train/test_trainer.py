@@ -1,0 +1,211 @@
+"""The trainer in one process, without a launcher: loop, hooks, resume rules, hardening."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pksampler.files import atomic_write_bytes
+from pksampler.train.builders import build_data, build_sampler
+from pksampler.train.checkpoint import CheckpointError, load_checkpoint
+from pksampler.train.config import ConfigError, load_config
+from pksampler.train.distributed import Backend
+from pksampler.train.hooks import HookBase
+from pksampler.train.trainer import TrainingDiverged, train
+from pksampler.train.workspace import WorkspaceLock
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = [
+    "seed=3",
+    "data.args={num_classes: 24, images_per_class: 6, image_size: 32}",
+    "data.image_size=24", "data.workers=0",
+    "sampler.classes_per_step=4", "sampler.samples_per_class=3",
+    "model.width=8", "model.depth=[1, 1]", "model.embedding_dim=16",
+    "loss.name=batch_hard", "optim.lr=0.003", "optim.base_batch=12", "optim.warmup_steps=3",
+    "train.epochs=2", "train.eval_every=1", "train.checkpoint_every=4", "train.gallery_queries=3",
+]
+
+
+def tiny(tmp_path: Path, *extra: str, name: str = "run"):
+    return load_config(None, [*TINY, f"workspace={tmp_path / name}", *extra], environ={})
+
+
+def test_train_runs_in_process_with_the_plain_backend(tmp_path):
+    result = train(tiny(tmp_path, "train.max_steps=3"), Backend())
+    assert result.global_step == 3
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert state["state"]["global_step"] == 3 and state["sampler"]["step"] == 3
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in steps] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in steps)
+
+
+def test_a_full_run_evaluates_and_writes_its_artifacts(tmp_path):
+    result = train(tiny(tmp_path, "train.tensorboard=true"), Backend())
+    workspace = tmp_path / "run"
+    assert result.epochs_done == 2 and 0.0 <= result.final_metrics["recall_at_1"] <= 1.0
+    assert sorted(p.name for p in (workspace / "galleries").iterdir()) == ["epoch_001.png", "epoch_002.png"]
+    assert (workspace / "curves.png").stat().st_size > 10_000
+    assert json.loads((workspace / "final_metrics.json").read_text())["recall_at_1"] == result.final_metrics["recall_at_1"]
+    assert load_checkpoint(workspace / "checkpoints" / "best.pt")["state"]["best"] >= 0.0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(workspace / "tensorboard"), size_guidance={"images": 0, "scalars": 0}).Reload()
+    assert {"train/loss", "train/lr", "train/images_per_sec", "eval/recall_at_1", "eval/map_at_r"} <= set(
+        events.Tags()["scalars"])
+    assert len(events.Scalars("train/loss")) == result.global_step
+    assert events.Scalars("eval/recall_at_1")[-1].value == pytest.approx(result.final_metrics["recall_at_1"])
+    assert len(events.Images("eval/gallery")) == 2
+
+
+def test_default_config_gives_identical_global_batches_at_every_power_of_two_world_size():
+    config = load_config(ROOT / "configs" / "demo.yaml", environ={})
+    labels = build_data(config).train.labels
+    reference = None
+    for world in (1, 2, 4, 8, 16):
+        per_rank = [np.asarray(list(build_sampler(config.sampler, labels, world, rank, config.seed)))
+                    for rank in range(world)]
+        global_steps = np.concatenate(per_rank, axis=1)  # rank r holds chunks [r*P, (r+1)*P) of each step
+        assert global_steps.shape[1] == config.sampler.classes_per_step * config.sampler.samples_per_class
+        if reference is None:
+            reference = global_steps
+        np.testing.assert_array_equal(global_steps, reference)
+
+
+def test_a_world_size_that_does_not_divide_the_step_is_named_with_the_sizes_that_work():
+    config = load_config(ROOT / "configs" / "demo.yaml", environ={})
+    with pytest.raises(ConfigError, match=r"sampler.classes_per_step=16 cannot be split over 3 ranks: the world "
+                                          r"size must divide it \(world sizes that work: 1, 2, 4, 8, 16\)"):
+        build_sampler(config.sampler, np.repeat(np.arange(40), 4), 3, 0, 0)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_planted_checkpoint_cannot_execute_code(tmp_path):
+    marker = tmp_path / "executed"
+    payload = _Boom()
+    payload.marker = marker
+    planted = tmp_path / "run" / "checkpoints" / "last.pt"
+    planted.parent.mkdir(parents=True)
+    import io
+
+    buffer = io.BytesIO()
+    torch.save({"model": payload}, buffer)
+    atomic_write_bytes(planted, buffer.getvalue())
+    with pytest.raises(CheckpointError, match=rf"checkpoint {planted} was refused: it holds objects other than "
+                                              r"tensors and plain data"):
+        train(tiny(tmp_path), Backend())
+    assert not marker.exists()
+
+
+def test_a_non_finite_loss_stops_with_the_step_and_keeps_the_last_checkpoint(tmp_path):
+    class PoisonLoss(HookBase):
+        def after_step(self):
+            if self.trainer.state.global_step == 4:
+                self.trainer.parts.loss_fn = lambda e, l: e.sum() * float("nan")
+
+    with pytest.raises(TrainingDiverged, match=r"the loss is nan at global step 5 \(epoch 1\)"):
+        train(tiny(tmp_path), Backend(), extra_hooks=[PoisonLoss()])
+    state = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert state["state"]["global_step"] == 4 and all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_resume_applies_allowed_changes_and_refuses_the_others(tmp_path):
+    train(tiny(tmp_path, "train.max_steps=5"), Backend())
+    with pytest.raises(ConfigError, match=r"cannot resume from .*last.pt: the config changes optim.lr, optim.name "
+                                          r"\(optim.lr: 0.003 -> 0.01; optim.name: 'adamw' -> 'sgd'\).*--no-resume"):
+        train(tiny(tmp_path, "optim.lr=0.01", "optim.name=sgd"), Backend())
+    result = train(tiny(tmp_path, "train.epochs=3", "train.eval_every=3"), Backend())
+    assert result.epochs_done == 3  # a longer schedule takes effect
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["global_step"] for r in records if r["type"] == "step"]
+    assert steps == list(range(1, len(steps) + 1))  # no step logged twice after the resume
+
+
+def test_the_workspace_is_locked_stale_temporaries_removed_and_the_data_root_left_alone(tmp_path):
+    workspace = tmp_path / "run"
+    (workspace / "checkpoints").mkdir(parents=True)
+    stale = workspace / "checkpoints" / ".last.pt.abc123.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    holder = WorkspaceLock(workspace)
+    holder.acquire()
+    try:
+        with pytest.raises(ConfigError, match=rf"workspace: {workspace} is in use by another job \(pid {os.getpid()} "
+                                              rf"on host {socket.gethostname()}\)"):
+            train(tiny(tmp_path, "train.max_steps=1"), Backend())
+    finally:
+        holder.release()
+    data_root = tmp_path / "readonly-data"
+    data_root.mkdir()
+    train(tiny(tmp_path, "train.max_steps=1", f"data.root={data_root}"), Backend())
+    assert not stale.exists()
+    assert list(data_root.iterdir()) == []  # the synthetic set is rendered in memory
+
+
+def test_an_unwritable_workspace_is_one_config_error(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match=rf"workspace: {blocker}/ws is not a writable folder"):
+        train(tiny(tmp_path, f"workspace={blocker}/ws"), Backend())
+
+
+def test_a_pytorch_metric_learning_loss_and_miner_train_through_the_trainer(tmp_path):
+    result = train(tiny(tmp_path, "loss.name=pml.TripletMarginLoss", "loss.args={margin: 0.1}",
+                        "loss.miner={name: pml.MultiSimilarityMiner, args: {epsilon: 0.1}}",
+                        "train.max_steps=6"), Backend())
+    assert result.global_step == 6
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 6 and all(math.isfinite(v) for v in losses)
+
+
+def test_cross_batch_memory_is_saved_and_restored_on_resume(tmp_path):
+    memory = ["loss.memory={size: 3, warmup_steps: 2}", "optim.name=sgd", "train.checkpoint_every=0"]
+    train(tiny(tmp_path, *memory, "train.max_steps=8", name="whole"), Backend())
+    train(tiny(tmp_path, *memory, "train.max_steps=5", name="parts"), Backend())
+    saved = load_checkpoint(tmp_path / "parts" / "checkpoints" / "last.pt")["loss"]["memory"]
+    assert saved["steps"] == 5
+    train(tiny(tmp_path, *memory, "train.max_steps=8", name="parts"), Backend())
+    whole = load_checkpoint(tmp_path / "whole" / "checkpoints" / "last.pt")
+    parts = load_checkpoint(tmp_path / "parts" / "checkpoints" / "last.pt")
+    for key, value in whole["loss"]["memory"].items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, parts["loss"]["memory"][key]), key
+        else:
+            assert value == parts["loss"]["memory"][key], key
+    assert all(torch.equal(whole["model"][k], parts["model"][k]) for k in whole["model"])
+
+
+def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatch):
+    import pksampler.files as files
+
+    real = files.os.fsync
+
+    def full_disk(descriptor):
+        raise OSError(28, "No space left on device")
+
+    train(tiny(tmp_path, "train.max_steps=2"), Backend())
+    monkeypatch.setattr(files.os, "fsync", full_disk)
+    with pytest.raises(ConfigError, match=r"workspace: cannot write .*metrics.jsonl \(No space left on device\)"):
+        train(tiny(tmp_path, "train.max_steps=4"), Backend())
+    monkeypatch.setattr(files.os, "fsync", real)
+
+    class FillTheDisk(HookBase):
+        def after_step(self):
+            if self.trainer.state.global_step == 3:
+                monkeypatch.setattr(files.os, "fsync", full_disk)
+
+    with pytest.raises(ConfigError, match=r"workspace: cannot write .*last.pt \(No space left on device\); the "
+                                          r"previous checkpoint is intact"):
+        train(tiny(tmp_path, "train.max_steps=4"), Backend(), extra_hooks=[FillTheDisk()])
+    monkeypatch.setattr(files.os, "fsync", real)
+    assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["state"]["global_step"] == 2
+    assert not list((tmp_path / "run" / "checkpoints").glob(".*.tmp"))

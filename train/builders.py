@@ -1,0 +1,177 @@
+"""Builders: the one place the run configuration is read to make the training parts.
+
+Each builder takes the config section it needs (plus the world size where
+the global batch is split) and returns a plain object; the loop and its
+hooks receive those objects, never the config.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+from pksampler.datasets import (
+    ImageFolderDataset,
+    LabelledSubset,
+    ListFileDataset,
+    SyntheticProducts,
+    class_disjoint_split,
+    eval_preset,
+    train_preset,
+)
+from pksampler.datasets.base import LabelledDataset
+from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler
+
+from .rules import ConfigError
+from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
+
+__all__ = [
+    "DATA_SOURCES",
+    "SAMPLERS",
+    "DataParts",
+    "build_data",
+    "build_optimizer",
+    "build_sampler",
+    "build_schedule",
+    "divisors_up_to",
+    "per_rank_share",
+]
+
+
+@dataclass
+class DataParts:
+    """The full dataset and its class-disjoint train (augmented) and test (plain) subsets."""
+
+    dataset: LabelledDataset
+    train: LabelledSubset
+    test: LabelledSubset
+
+
+def _synthetic(data: DataConfig, seed: int) -> LabelledDataset:
+    # Rendered in memory: the data location (DATASETS_PATH) is read-only by contract.
+    return SyntheticProducts(**data.args, augment_seed=seed)
+
+
+def _folder(data: DataConfig, seed: int) -> LabelledDataset:
+    return ImageFolderDataset(_root(data), seed=seed, **data.args)
+
+
+def _list(data: DataConfig, seed: int) -> LabelledDataset:
+    args = dict(data.args)
+    if "list_file" not in args:
+        raise ConfigError("data.args.list_file: required for data.name='list'")
+    list_file = Path(args.pop("list_file"))
+    root = Path(data.root) if data.root else None
+    if root is not None and not list_file.is_absolute():
+        list_file = root / list_file
+    return ListFileDataset(list_file, root=root, seed=seed, **args)
+
+
+def _shards(data: DataConfig, seed: int) -> LabelledDataset:
+    from pksampler.datasets import ShardedDataset
+
+    return ShardedDataset(_root(data), seed=seed, **data.args)
+
+
+def _root(data: DataConfig) -> Path:
+    if not data.root:
+        raise ConfigError(f"data.root: required for data.name={data.name!r} (or set DATASETS_PATH/DATASETS)")
+    return Path(data.root)
+
+
+#: ``data.name`` -> builder(data config, seed)
+DATA_SOURCES: dict[str, Callable[[DataConfig, int], LabelledDataset]] = {
+    "synthetic": _synthetic,
+    "folder": _folder,
+    "list": _list,
+    "shards": _shards,
+}
+
+
+def build_data(config: RunConfig) -> DataParts:
+    """Open the dataset and split its classes into train and test parts."""
+    data = config.data
+    try:
+        dataset = DATA_SOURCES[data.name](data, config.seed)
+    except TypeError as error:
+        raise ConfigError(f"data.args: {error}") from None
+    except (FileNotFoundError, NotADirectoryError, PermissionError) as error:
+        raise ConfigError(f"data.root: {error}") from None
+    train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
+    return DataParts(
+        dataset,
+        LabelledSubset(dataset, train_idx, transform=train_preset(data.image_size)),
+        LabelledSubset(dataset, test_idx, transform=eval_preset(data.image_size)),
+    )
+
+
+def divisors_up_to(total: int, limit: int = 64) -> list[int]:
+    """World sizes up to ``limit`` that divide ``total``."""
+    return [w for w in range(1, min(total, limit) + 1) if total % w == 0]
+
+
+def per_rank_share(total: int, world_size: int, key: str) -> int:
+    """``total / world_size``, or a ConfigError naming the key, both numbers and the sizes that work."""
+    if total % world_size:
+        raise ConfigError(
+            f"{key}={total} cannot be split over {world_size} ranks: the world size must divide it "
+            f"(world sizes that work: {', '.join(map(str, divisors_up_to(total)))})"
+        )
+    return total // world_size
+
+
+def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+    per_rank = per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step")
+    return DistributedBalancedBatchSampler(labels, per_rank, sampler.samples_per_class, num_replicas=world_size,
+                                           rank=rank, seed=seed, **sampler.args)
+
+
+def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+    per_rank = per_rank_share(sampler.triplets_per_step, world_size, "sampler.triplets_per_step")
+    return DistributedTripletBatchSampler(labels, per_rank, num_replicas=world_size, rank=rank, seed=seed,
+                                          **sampler.args)
+
+
+#: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed)
+SAMPLERS = {"balanced": _balanced, "triplet": _triplet}
+
+
+def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+    """The batch sampler for this rank: P = G / W classes of the global step (or T / W triplets)."""
+    try:
+        return SAMPLERS[sampler.name](sampler, labels, world_size, rank, seed)
+    except TypeError as error:
+        raise ConfigError(f"sampler.args: {error}") from None
+    except ValueError as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"sampler: {error}") from None
+
+
+def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int,
+                    extra_parameters: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch."""
+    lr = optim.lr * global_batch / optim.base_batch
+    parameters = [*model.parameters(), *extra_parameters]
+    if optim.name == "sgd":
+        return torch.optim.SGD(parameters, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=optim.weight_decay)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
+                   total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to zero at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+

@@ -1,0 +1,113 @@
+"""Validation rules for configuration values, written once.
+
+A rule is ``rule(path, value) -> None`` that raises :class:`ConfigError`
+with the dotted key, the value and what was expected. The schema attaches a
+rule to each field; the environment and ``--set`` layers use the same rules.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable, Iterable
+
+__all__ = [
+    "ConfigError",
+    "Rule",
+    "choice",
+    "closed_interval",
+    "int_at_least",
+    "non_negative_finite",
+    "open_interval",
+    "optional",
+    "positive_finite",
+    "positive_int",
+    "positive_int_list",
+    "seed",
+]
+
+Rule = Callable[[str, Any], None]
+
+#: seeds feed numpy's SeedSequence and the int64 consistency fingerprint
+SEED_LIMIT = 2**63
+
+
+class ConfigError(ValueError):
+    """A configuration or data problem; the message names the key (dotted path), the value and the rule."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def int_at_least(minimum: int) -> Rule:
+    def rule(path: str, value: Any) -> None:
+        if not _is_int(value) or value < minimum:
+            raise ConfigError(f"{path}: must be an integer >= {minimum}, got {value!r}")
+
+    return rule
+
+
+positive_int = int_at_least(1)
+
+
+def positive_int_list(path: str, value: Any) -> None:
+    if not value or any(not _is_int(v) or v < 1 for v in value):
+        raise ConfigError(f"{path}: must be a non-empty list of positive integers, got {list(value)!r}")
+
+
+def seed(path: str, value: Any) -> None:
+    if not _is_int(value) or not 0 <= value < SEED_LIMIT:
+        raise ConfigError(f"{path}: must be an integer in [0, 2**63), got {value!r}")
+
+
+def positive_finite(path: str, value: Any) -> None:
+    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{path}: must be a finite number > 0, got {value!r}")
+
+
+def non_negative_finite(path: str, value: Any) -> None:
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise ConfigError(f"{path}: must be a finite number >= 0, got {value!r}")
+
+
+def open_interval(low: float, high: float) -> Rule:
+    def rule(path: str, value: Any) -> None:
+        if not _is_real(value) or not low < value < high:
+            raise ConfigError(f"{path}: must be in ({low:g}, {high:g}), got {value!r}")
+
+    return rule
+
+
+def closed_interval(low: float, high: float) -> Rule:
+    def rule(path: str, value: Any) -> None:
+        if not _is_real(value) or not low <= value <= high:
+            raise ConfigError(f"{path}: must be in [{low:g}, {high:g}], got {value!r}")
+
+    return rule
+
+
+def optional(inner: Rule) -> Rule:
+    def rule(path: str, value: Any) -> None:
+        if value is not None:
+            inner(path, value)
+
+    return rule
+
+
+def choice(options: Callable[[], Iterable[str]], *, prefixes: tuple[str, ...] = ()) -> Rule:
+    """One of ``options()`` (read lazily from a registry), or any name starting with one of ``prefixes``."""
+
+    def rule(path: str, value: Any) -> None:
+        allowed = list(options())
+        if isinstance(value, str) and (value in allowed or any(value.startswith(p) and len(value) > len(p)
+                                                                for p in prefixes)):
+            return
+        extra = "".join(f" or {p}<Name>" for p in prefixes)
+        raise ConfigError(f"{path}: must be one of {allowed}{extra}, got {value!r}")
+
+    return rule

@@ -1,0 +1,229 @@
+"""The run configuration's schema: frozen dataclasses whose fields carry their own rules.
+
+Every field that needs more than its type says so in ``metadata["rule"]``
+(see :mod:`pksampler.train.rules`); :func:`validate` walks the tree once and
+raises :class:`ConfigError` naming the dotted key, the value and the rule.
+Choice lists are not typed here: they come from the registries that
+implement them (data sources, samplers, norms, losses), so a new entry in a
+registry is a new valid value.
+
+The batch is configured globally: ``sampler.classes_per_step`` (G) classes
+of ``sampler.samples_per_class`` (K) images per global step; each of the W
+ranks takes P = G / W classes. The same file trains the same global batches
+at every world size that divides G.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from . import rules
+from .rules import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SamplerConfig",
+    "TrainConfig",
+    "validate",
+]
+
+
+def _rule(default: Any, rule: rules.Rule, **kwargs: Any) -> Any:
+    if callable(default) and not isinstance(default, (int, float, str, bool)):
+        return field(default_factory=default, metadata={"rule": rule}, **kwargs)
+    return field(default=default, metadata={"rule": rule}, **kwargs)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the images come from and how they are split and augmented.
+
+    ``name``: ``synthetic`` (built-in SyntheticProducts, rendered in memory;
+    ``args`` are its arguments), ``folder`` (ImageFolderDataset under
+    ``root``), ``list`` (ListFileDataset; ``args.list_file`` relative to
+    ``root``) or ``shards`` (ShardedDataset: packed tar shards under ``root``).
+    """
+
+    name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
+    args: Mapping[str, Any] = field(default_factory=lambda: {"num_classes": 160, "images_per_class": 16, "image_size": 48})
+    root: str | None = None
+    test_fraction: float = _rule(0.3, rules.open_interval(0.0, 1.0))
+    image_size: int = _rule(40, rules.positive_int)
+    workers: int = _rule(1, rules.int_at_least(0))
+    split_seed: int = _rule(0, rules.seed)
+    max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0))
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The global composition of a step.
+
+    ``balanced``: ``classes_per_step`` (G, over all ranks) × ``samples_per_class``
+    (K); ``args`` are the other keyword arguments of
+    DistributedBalancedBatchSampler (``small_classes``, ``class_weighting``).
+    ``triplet``: ``triplets_per_step`` (over all ranks); ``args``: ``negatives``,
+    ``hard_classes``, ``hard_fraction``.
+    """
+
+    name: str = _rule("balanced", rules.choice(lambda: _registry("sampler")))
+    classes_per_step: int = _rule(16, rules.positive_int)
+    samples_per_class: int = _rule(4, rules.positive_int)
+    triplets_per_step: int = _rule(24, rules.positive_int)
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Compact ResNet-style backbone with an L2-normalised embedding head."""
+
+    backbone: str = "resnet"  # resnet | torchvision:<name>
+    width: int = _rule(32, rules.positive_int)
+    depth: tuple[int, ...] = _rule((1, 1, 1, 1), rules.positive_int_list)
+    embedding_dim: int = _rule(64, rules.positive_int)
+    norm: str = _rule("group", rules.choice(lambda: _registry("norm")))
+    pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
+    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """A built-in loss (``batch_hard``, ``multi_similarity``, ``contrastive``,
+    ``triplet``) or a pytorch-metric-learning one (``pml.<LossName>``), with
+    ``args``; ``miner`` (``{name: pml.<MinerName>, args: {}}``) and
+    ``memory`` (cross-batch memory: ``{size, warmup_steps}``) are optional."""
+
+    name: str = _rule("multi_similarity", rules.choice(lambda: _registry("loss"), prefixes=("pml.",)))
+    args: Mapping[str, Any] = field(default_factory=dict)
+    miner: Mapping[str, Any] | None = None
+    memory: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW or SGD. ``lr`` is for ``base_batch`` images per global step; the
+    effective rate scales linearly with the global batch, after a linear
+    warm-up, then cosine decay."""
+
+    name: str = _rule("adamw", rules.choice(lambda: ("adamw", "sgd")))
+    lr: float = _rule(0.004, rules.positive_finite)
+    base_batch: int = _rule(64, rules.positive_int)
+    weight_decay: float = _rule(0.0005, rules.non_negative_finite)
+    momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
+    warmup_steps: int = _rule(30, rules.int_at_least(0))
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = _rule(8, rules.positive_int)
+    device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")))
+    precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")))
+    gather_embeddings: bool = True
+    fp16_allreduce: bool = False
+    backward_passes_per_step: int = _rule(1, rules.positive_int)
+    eval_every: int = _rule(2, rules.positive_int)
+    checkpoint_every: int = _rule(50, rules.int_at_least(0))
+    resume: bool = True
+    threads: int = _rule(1, rules.positive_int)
+    max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)))
+    gallery_queries: int = _rule(8, rules.positive_int)
+    progress_every_seconds: float = _rule(30.0, rules.positive_finite)
+    tensorboard: bool | None = None  # None: on when the tensorboard package is installed
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")))
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = _rule(0, rules.seed)
+    workspace: str = "workspace/demo"
+    data: DataConfig = field(default_factory=DataConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _registry(kind: str) -> tuple[str, ...]:
+    """Valid names for ``kind``, read from the module that implements them."""
+    if kind == "data":
+        from .builders import DATA_SOURCES
+
+        return tuple(DATA_SOURCES)
+    if kind == "sampler":
+        from .builders import SAMPLERS
+
+        return tuple(SAMPLERS)
+    if kind == "norm":
+        from .model import NORMS
+
+        return tuple(NORMS)
+    if kind in ("pooling", "neck"):
+        from .model import NECKS, POOLINGS
+
+        return tuple(POOLINGS if kind == "pooling" else NECKS)
+    from .losses import loss_names
+
+    return tuple(loss_names())
+
+
+def validate(config: Any, prefix: str = "") -> None:
+    """Apply every field's rule, depth first; raise ConfigError naming the first bad key."""
+    for spec in dataclasses.fields(config):
+        value = getattr(config, spec.name)
+        path = f"{prefix}.{spec.name}" if prefix else spec.name
+        if dataclasses.is_dataclass(value):
+            validate(value, path)
+            continue
+        rule = spec.metadata.get("rule")
+        if rule is not None:
+            rule(path, value)
+    if prefix == "":
+        _validate_combinations(config)
+
+
+def _validate_combinations(config: RunConfig) -> None:
+    """Rules that relate two keys."""
+    sampler, loss = config.sampler, config.loss
+    if sampler.name == "triplet" and loss.name != "triplet":
+        raise ConfigError(f"loss.name: the triplet sampler needs loss 'triplet', got {loss.name!r}")
+    if sampler.name == "balanced" and loss.name == "triplet":
+        raise ConfigError("loss.name: 'triplet' needs sampler.name 'triplet'")
+    for key in ("classes_per_batch", "num_replicas", "rank", "seed", "samples_per_class", "triplets_per_batch"):
+        if key in sampler.args:
+            raise ConfigError(
+                f"sampler.args.{key}: set by the trainer; the batch is configured globally with "
+                "sampler.classes_per_step (G) and sampler.samples_per_class (K), or sampler.triplets_per_step, "
+                "and each rank takes G / world_size classes"
+            )
+    if loss.memory is not None:
+        unknown = sorted(set(loss.memory) - {"size", "size_items", "warmup_steps"})
+        if unknown:
+            raise ConfigError(f"loss.memory.{unknown[0]}: unknown key (known: ['size', 'size_items', 'warmup_steps'])")
+        for key in ("size", "size_items"):
+            if key in loss.memory:
+                rules.positive_int(f"loss.memory.{key}", loss.memory[key])
+        rules.int_at_least(0)("loss.memory.warmup_steps", loss.memory.get("warmup_steps", 0))
