@@ -26,6 +26,7 @@ __all__ = [
     "Normalize",
     "RandomHorizontalFlip",
     "RandomResizedCrop",
+    "RandomRotation",
     "Resize",
     "ToTensor",
     "apply_transform",
@@ -160,6 +161,28 @@ class RandomHorizontalFlip(_Transform):
         return image.transpose(Image.FLIP_LEFT_RIGHT) if rng.random() < self.p else image
 
 
+class RandomRotation(_Transform):
+    """Rotate by an angle drawn uniformly from ``[-degrees, degrees]`` about the centre, same size.
+
+    Corners that leave the image are filled with its mean colour, so the
+    network does not learn black corners as a cue. Photographed objects appear
+    at any in-plane angle (a phone held askew), which crops and flips do not
+    cover.
+    """
+
+    def __init__(self, degrees: float) -> None:
+        if not 0 <= degrees <= 180:
+            raise ValueError(f"RandomRotation(degrees=) must be in [0, 180], got {degrees!r}")
+        self.degrees = degrees
+
+    def __call__(self, image: Image.Image, rng: np.random.Generator) -> Image.Image:
+        angle = float(rng.uniform(-self.degrees, self.degrees))
+        if self.degrees == 0:
+            return image
+        fill = tuple(int(v) for v in np.asarray(image.convert("RGB")).reshape(-1, 3).mean(axis=0))
+        return image.convert("RGB").rotate(angle, resample=Image.BILINEAR, fillcolor=fill)
+
+
 class ColorJitter(_Transform):
     """Random brightness, contrast and saturation factors in ``[1 - x, 1 + x]``."""
 
@@ -207,9 +230,15 @@ class Normalize(_Transform):
         return torch.from_numpy((array - mean) / std)
 
 
-def train_preset(size: int, *, scale: tuple[float, float] = (0.6, 1.0), jitter: float = 0.3) -> Compose:
-    """Random resized crop, horizontal flip, colour jitter, to tensor, normalise."""
+def train_preset(size: int, *, scale: tuple[float, float] = (0.6, 1.0), jitter: float = 0.3,
+                 rotation: float = 0.0) -> Compose:
+    """Random rotation (off by default), random resized crop, horizontal flip, colour jitter, to tensor, normalise.
+
+    ``scale`` is the crop's area range, ``jitter`` the brightness, contrast
+    and saturation strength, ``rotation`` the largest angle in degrees.
+    """
     return Compose([
+        *([RandomRotation(rotation)] if rotation else []),
         RandomResizedCrop(size, scale=scale),
         RandomHorizontalFlip(),
         ColorJitter(jitter, jitter, jitter),

@@ -8,9 +8,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["EmbeddingNet", "build_model"]
+__all__ = ["EmbeddingNet", "GeM", "build_model"]
 
 NormFactory = Callable[[int], nn.Module]
+POOLINGS = ("avg", "gem", "avgmax")
+NECKS = ("none", "batch", "layer")
 
 
 #: the values of ``model.norm``
@@ -56,18 +58,78 @@ class BasicBlock(nn.Module):
         return F.relu(out + self.shortcut(x))
 
 
+class GeM(nn.Module):
+    """Generalised-mean pooling (Radenović et al. 2018): ``mean(x^p)^(1/p)`` over space, ``p`` learnt.
+
+    p = 1 is average pooling and p -> infinity max pooling; starting at 3 lets
+    the strongest local responses dominate, which suits retrieval of objects
+    that fill only part of the image.
+    """
+
+    def __init__(self, p: float = 3.0, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.tensor(float(p)))
+        self.eps = eps
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        p = self.p.clamp(min=1.0)
+        return features.clamp(min=self.eps).pow(p).mean(dim=(2, 3)).pow(1.0 / p)
+
+
+class _Pool(nn.Module):
+    """Global pooling of (N, C, H, W) to (N, C) or, for ``avgmax``, (N, 2C) (average and max concatenated)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        if kind not in POOLINGS:
+            raise ValueError(f"model.pooling must be one of {list(POOLINGS)}, got {kind!r}")
+        self.kind = kind
+        self.gem = GeM() if kind == "gem" else None
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if self.gem is not None:
+            return self.gem(features)
+        pooled = features.mean(dim=(2, 3))
+        if self.kind == "avgmax":
+            pooled = torch.cat([pooled, features.amax(dim=(2, 3))], dim=1)
+        return pooled
+
+
+def _neck(kind: str, dim: int, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
+    """Normalisation of the embedding before the L2 norm ("BN-neck", Luo et al. 2019).
+
+    ``batch`` is BatchNorm1d over each rank's batch (so with W ranks it sees
+    P x K items, not the global batch), or the backend's SyncBatchNorm when one
+    is given (``model.norm: sync_batch``); ``layer`` is LayerNorm, independent
+    of the batch, so W ranks still train the same model as one process.
+    """
+    if kind == "none":
+        return nn.Identity()
+    if kind == "batch":
+        return (sync_batch_norm or nn.BatchNorm1d)(dim)
+    if kind == "layer":
+        return nn.LayerNorm(dim)
+    raise ValueError(f"model.neck must be one of {list(NECKS)}, got {kind!r}")
+
+
 class EmbeddingNet(nn.Module):
-    """ResNet-style backbone (stages of width w, 2w, 4w, 8w...) + linear head, L2-normalised output.
+    """ResNet-style backbone (stages of width w, 2w, 4w, 8w...) + pooling + linear head (+ neck), L2-normalised.
 
     Args:
         width: channels of the first stage.
         depth: residual blocks per stage; each stage after the first halves the resolution.
         embedding_dim: size of the output embedding.
         norm: normalisation layer constructor (see :func:`norm_factory`).
+        pooling: ``avg`` (global average), ``gem`` (generalised mean, learnt p)
+            or ``avgmax`` (average and max concatenated).
+        neck: ``none``, ``batch`` or ``layer`` normalisation of the embedding
+            before the L2 norm.
+        sync_batch_norm: the class a ``batch`` neck uses instead of BatchNorm1d.
     """
 
     def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
-                 norm: NormFactory | None = None) -> None:
+                 norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none",
+                 sync_batch_norm: type[nn.Module] | None = None) -> None:
         super().__init__()
         norm = norm or norm_factory("group")
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True))
@@ -79,19 +141,20 @@ class EmbeddingNet(nn.Module):
                 stages.append(BasicBlock(channels, out_channels, stride, norm))
                 channels = out_channels
         self.stages = nn.Sequential(*stages)
-        self.head = nn.Linear(channels, embedding_dim)
+        self.pool = _Pool(pooling)
+        self.head = nn.Linear(channels * (2 if pooling == "avgmax" else 1), embedding_dim)
+        self.neck = _neck(neck, embedding_dim, sync_batch_norm)
         self.embedding_dim = embedding_dim
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         features = self.stages(self.stem(images))
-        pooled = features.mean(dim=(2, 3))
-        return F.normalize(self.head(pooled), dim=1)
+        return F.normalize(self.neck(self.head(self.pool(features))), dim=1)
 
 
 class TorchvisionEmbedding(nn.Module):
-    """A torchvision backbone (when torchvision imports) with the same embedding head."""
+    """A torchvision backbone (when torchvision imports) with the same embedding head and neck."""
 
-    def __init__(self, name: str, embedding_dim: int) -> None:
+    def __init__(self, name: str, embedding_dim: int, neck: str = "none") -> None:
         super().__init__()
         try:
             import torchvision
@@ -101,16 +164,21 @@ class TorchvisionEmbedding(nn.Module):
         features = backbone.fc.in_features
         backbone.fc = nn.Identity()
         self.backbone, self.head = backbone, nn.Linear(features, embedding_dim)
+        self.neck = _neck(neck, embedding_dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.head(self.backbone(images)), dim=1)
+        return F.normalize(self.neck(self.head(self.backbone(images))), dim=1)
 
 
 def build_model(config, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
     """The model a ModelConfig describes."""
     if config.backbone.startswith("torchvision:"):
-        return TorchvisionEmbedding(config.backbone.split(":", 1)[1], config.embedding_dim)
+        if config.pooling != "avg":
+            raise ValueError(f"model.pooling={config.pooling!r} applies to backbone 'resnet' only; "
+                             f"torchvision backbones pool with their own layer (use 'avg')")
+        return TorchvisionEmbedding(config.backbone.split(":", 1)[1], config.embedding_dim, config.neck)
     if config.backbone != "resnet":
         raise ValueError(f"model.backbone must be 'resnet' or 'torchvision:<name>', got {config.backbone!r}")
     return EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
-                        norm_factory(config.norm, sync_batch_norm))
+                        norm_factory(config.norm, sync_batch_norm),
+                        pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm)

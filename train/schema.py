@@ -89,6 +89,8 @@ class ModelConfig:
     depth: tuple[int, ...] = _rule((1, 1, 1, 1), rules.positive_int_list)
     embedding_dim: int = _rule(64, rules.positive_int)
     norm: str = _rule("group", rules.choice(lambda: _registry("norm")))
+    pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
+    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,10 @@ def _registry(kind: str) -> tuple[str, ...]:
         from .model import NORMS
 
         return tuple(NORMS)
+    if kind in ("pooling", "neck"):
+        from .model import NECKS, POOLINGS
+
+        return tuple(POOLINGS if kind == "pooling" else NECKS)
     from .losses import loss_names
 
     return tuple(loss_names())
