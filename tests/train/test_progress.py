@@ -145,3 +145,22 @@ def test_bad_arguments(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         Progress(args.pop("steps_per_epoch"), args.pop("epochs"), **args)
+
+
+def test_through_a_pipe_the_default_is_plain_lines_on_stdout():
+    """As under horovodrun or CI: stderr is a pipe, so no bar redraws, only flushed lines."""
+    import subprocess
+
+    script = (
+        "from pksampler.train.progress import Progress\n"
+        "p = Progress(4, 1, every_steps=2)\n"
+        "p.start_epoch(0)\n"
+        "for s in range(1, 5): p.update(s, loss=0.5)\n"
+        "p.close()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split(" eta ")[0] for line in lines] == [
+        "[pksampler] epoch 1/1 step 2/4 loss 0.5000", "[pksampler] epoch 1/1 step 4/4 loss 0.5000"]
+    assert done.stderr == ""
