@@ -28,6 +28,9 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=_SUFFIX, dir=path.parent)
     try:
+        # mkstemp creates 0600; give the file the mode an ordinary open() would (0666 less the umask),
+        # so shards and checkpoints in a shared folder stay readable by the team.
+        os.fchmod(handle, 0o666 & ~_umask())
         with os.fdopen(handle, "wb") as stream:
             yield stream
             stream.flush()
@@ -36,6 +39,12 @@ def atomic_writer(path: str | os.PathLike) -> Iterator[BinaryIO]:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:

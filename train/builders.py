@@ -57,8 +57,13 @@ def _synthetic(data: DataConfig, seed: int) -> LabelledDataset:
     return SyntheticProducts(**data.args, augment_seed=seed)
 
 
+def _decoding(data: DataConfig) -> dict:
+    """JPEGs much larger than the training size decode in draft mode (DCT scaling) to the eval resize."""
+    return {"decode_size": round(data.image_size * 8 / 7), **data.args}
+
+
 def _folder(data: DataConfig, seed: int) -> LabelledDataset:
-    return ImageFolderDataset(_root(data), seed=seed, **data.args)
+    return ImageFolderDataset(_root(data), seed=seed, **_decoding(data))
 
 
 def _list(data: DataConfig, seed: int) -> LabelledDataset:
@@ -69,13 +74,13 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
     root = Path(data.root) if data.root else None
     if root is not None and not list_file.is_absolute():
         list_file = root / list_file
-    return ListFileDataset(list_file, root=root, seed=seed, **args)
+    return ListFileDataset(list_file, root=root, seed=seed, **{"decode_size": round(data.image_size * 8 / 7), **args})
 
 
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
     from pksampler.datasets import ShardedDataset
 
-    return ShardedDataset(_root(data), seed=seed, **data.args)
+    return ShardedDataset(_root(data), seed=seed, **_decoding(data))
 
 
 def _root(data: DataConfig) -> Path:

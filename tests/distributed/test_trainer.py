@@ -236,3 +236,24 @@ def test_cross_batch_memory_is_the_same_at_one_and_two_ranks(tmp_path):
     losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
                if '"step"' in line] for name in ("two", "one")]
     assert len(losses[0]) == 10 and max(abs(a - b) for a, b in zip(*losses)) < 1e-4
+
+
+def test_training_from_packed_shards_matches_the_image_folder(tmp_path):
+    import subprocess
+    import sys
+
+    from pksampler.datasets import SyntheticProducts
+
+    SyntheticProducts(24, 6, image_size=32, root=tmp_path / "folder")
+    packed = subprocess.run([sys.executable, "-m", "pksampler.datasets.pack", str(tmp_path / "folder"),
+                             str(tmp_path / "shards"), "--shard-size", "64KB"], capture_output=True, text=True)
+    assert packed.returncode == 0, packed.stderr[-2000:]
+    assert len(list((tmp_path / "shards").glob("shard-*.tar"))) > 1
+    metrics = {}
+    for source in ("folder", "shards"):
+        config = write_config(tmp_path, source, data={**TINY["data"], "name": source, "root": str(tmp_path / source),
+                                                       "args": {}})
+        result = launch("horovodrun", SCRIPT, "--config", str(config))
+        assert result.returncode == 0, result.stdout[-4000:]
+        metrics[source] = json.loads((tmp_path / source / "final_metrics.json").read_text())
+    assert metrics["shards"] == metrics["folder"]
