@@ -188,7 +188,9 @@ def _counts_for_epoch(
         raise ValueError(_too_few_classes_message(index, eligible.size, classes_per_step, samples_per_class, small_classes))
     counts = chunk_counts(index.sizes[eligible], samples_per_class, class_weighting, uniform)
     capped, num_steps = cap_counts(counts, classes_per_step)
-    result = (None if eligible.size == index.num_classes else eligible, capped, num_steps)
+    code_dtype = np.int32 if index.num_classes < 2**31 else np.int64
+    capped = capped.astype(np.int32 if num_steps < 2**31 else np.int64)  # counts <= S
+    result = (None if eligible.size == index.num_classes else eligible.astype(code_dtype), capped, num_steps)
     if class_weighting == 1.0 and cache is not None:
         cache[key] = result
     return result
@@ -245,7 +247,8 @@ def epoch_layout(
     eligible, counts, num_steps = _counts_for_epoch(
         index, classes_per_step, samples_per_class, rng, small_classes, class_weighting, cache
     )
-    shuffle = rng.permutation(counts.size)
+    code_dtype = np.int32 if counts.size < 2**31 else np.int64
+    shuffle = rng.permutation(counts.size).astype(code_dtype)
     class_order = shuffle if eligible is None else eligible[shuffle]
     run_lengths = counts[shuffle]
     # The remainder (fewer than G chunks) is taken one chunk each from the last
@@ -255,7 +258,8 @@ def epoch_layout(
         run_lengths[-remainder:] -= 1
         present = run_lengths > 0
         class_order, run_lengths = class_order[present], run_lengths[present]
-    starts = np.zeros(class_order.size + 1, dtype=np.int64)
+    # int32 offsets while the epoch's chunk sequence (S*G) fits: half the memory of int64
+    starts = np.zeros(class_order.size + 1, dtype=np.int32 if num_steps * classes_per_step < 2**31 else np.int64)
     np.cumsum(run_lengths, out=starts[1:])
     run_dtype = np.int32 if class_order.size < 2**31 else np.int64
     run_of = np.repeat(np.arange(class_order.size, dtype=run_dtype), run_lengths)
@@ -298,13 +302,13 @@ def _split_runs(starts: np.ndarray, num_steps: int, columns: int) -> tuple[np.nd
 def column_positions(starts: np.ndarray, num_steps: int, columns: int, rng: np.random.Generator) -> np.ndarray:
     """An independent random bijection steps -> positions per column, repaired so no step repeats a class.
 
-    Returns ``position_of`` of shape ``(G, S)`` (int32 when S < 2**31). Row j
+    Returns ``position_of`` of shape ``(G, S)`` (int16 when S < 2**15). Row j
     is a uniformly random permutation, except where a class split across
     columns j-1 and j would meet itself: each such chunk in column j swaps
     its step with a chunk of column j whose step that class does not use
     (step 4 of the module docstring).
     """
-    dtype = np.int32 if num_steps < 2**31 else np.int64
+    dtype = np.int16 if num_steps < 2**15 else np.int32 if num_steps < 2**31 else np.int64
     position_of = np.tile(np.arange(num_steps, dtype=dtype), (columns, 1))
     rng.permuted(position_of, axis=1, out=position_of)
     tail, head, next_tail = _split_runs(starts, num_steps, columns)
@@ -355,8 +359,15 @@ def _repair_loose_columns(
     split class does not use. Such a swap changes no other column's
     constraint, and a loose column always has enough of them.
     """
-    if not columns.size:
-        return
+    # blocks of columns bound the (columns, S) temporaries
+    block = max(1, (1 << 20) // max(position_of.shape[1], 1))
+    for first in range(0, columns.size, block):
+        _repair_loose_block(position_of, columns[first:first + block], tail, head, next_tail)
+
+
+def _repair_loose_block(
+    position_of: np.ndarray, columns: np.ndarray, tail: np.ndarray, head: np.ndarray, next_tail: np.ndarray
+) -> None:
     num_steps = position_of.shape[1]
     rows = position_of[columns]
     used = position_of[columns - 1] >= (num_steps - tail[columns])[:, None]
