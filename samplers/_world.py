@@ -37,11 +37,3 @@ def resolve_world(num_replicas: int | None, rank: int | None, *, owner: str) -> 
         )
     return num_replicas, rank
 
-
-def __getattr__(name: str):
-    # Transitional: older imports of the runtime probes from this module.
-    if name in ("initialised_horovod", "initialised_torch_distributed"):
-        from pksampler import comm
-
-        return getattr(comm, name)
-    raise AttributeError(name)
