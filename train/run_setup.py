@@ -88,6 +88,9 @@ def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None,
 
 def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any) -> StepParts:
     global_batch = sampler.batch_size * backend.size
+    if config.model.norm == "sync_batch" and not backend.setup.is_cuda:
+        raise ConfigError("model.norm: 'sync_batch' needs GPUs (Horovod's and torch's SyncBatchNorm refuse CPU "
+                          f"tensors; this run is on {backend.device}); use 'group' or 'batch' on the CPU")
     norm_class = backend.sync_batch_norm() if config.model.norm == "sync_batch" else None
     model = backend.setup.prepare_model(build_model(config.model, norm_class))
     try:

@@ -209,3 +209,8 @@ def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatc
     monkeypatch.setattr(files.os, "fsync", real)
     assert load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["state"]["global_step"] == 2
     assert not list((tmp_path / "run" / "checkpoints").glob(".*.tmp"))
+
+
+def test_sync_batch_norm_on_the_cpu_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.norm: 'sync_batch' needs GPUs"):
+        train(tiny(tmp_path, "model.norm=sync_batch"), Backend())
