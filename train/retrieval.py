@@ -15,6 +15,8 @@ WORKER_PER_NODE; ``--set`` overrides both.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 import traceback
@@ -27,6 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 
 DEFAULT_CONFIG = HERE.parent / "configs" / "demo.yaml"
+#: how long ranks other than 0 wait for rank 0 to report a config error before exiting themselves
+_PEER_WAIT_SECONDS = 30.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,12 +55,19 @@ def _rank() -> int:
 
 
 def _report_and_exit(message: str, status: int) -> int:
-    """One line from rank 0; the other ranks wait a moment so the launcher never cuts rank 0 short."""
+    """One line from rank 0; every rank exits with ``status``.
+
+    Config and data errors happen on every rank alike. The other ranks wait
+    for rank 0 to print and exit (a launcher then stops them: they still exit
+    with ``status``), so a loaded machine where rank 0 is slower never loses
+    the message.
+    """
     if _rank() == 0:
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
-    else:
-        time.sleep(2.0)
+        return status
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
+    time.sleep(_PEER_WAIT_SECONDS)
     return status
 
 
