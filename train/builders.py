@@ -132,6 +132,12 @@ def per_rank_share(total: int, world_size: int, key: str) -> int:
 
 def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
     per_rank = per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step")
+    classes = np.unique(labels).size
+    if classes < sampler.classes_per_step:
+        raise ConfigError(
+            f"sampler.classes_per_step={sampler.classes_per_step} needs that many distinct classes in every step, "
+            f"but the training split has {classes}: lower sampler.classes_per_step, or use more data (or a lower "
+            "data.test_fraction)")
     return DistributedBalancedBatchSampler(labels, per_rank, sampler.samples_per_class, num_replicas=world_size,
                                            rank=rank, seed=seed, **sampler.args)
 

@@ -214,3 +214,9 @@ def test_a_full_disk_while_checkpointing_is_one_clear_error(tmp_path, monkeypatc
 def test_sync_batch_norm_on_the_cpu_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match=r"model.norm: 'sync_batch' needs GPUs"):
         train(tiny(tmp_path, "model.norm=sync_batch"), Backend())
+
+
+def test_a_step_larger_than_the_training_classes_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"sampler.classes_per_step=32 needs that many distinct classes in every "
+                                          r"step, but the training split has 17"):
+        train(tiny(tmp_path, "sampler.classes_per_step=32"), Backend())
