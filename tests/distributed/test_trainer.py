@@ -251,9 +251,9 @@ def test_training_from_packed_shards_matches_the_image_folder(tmp_path):
     assert len(list((tmp_path / "shards").glob("shard-*.tar"))) > 1
     metrics = {}
     for source in ("folder", "shards"):
-        config = write_config(tmp_path, source, data={**TINY["data"], "name": source, "root": str(tmp_path / source),
-                                                       "args": {}})
+        config = write_config(tmp_path, f"run_{source}", data={**TINY["data"], "name": source,
+                                                                "root": str(tmp_path / source), "args": {}})
         result = launch("horovodrun", SCRIPT, "--config", str(config))
         assert result.returncode == 0, result.stdout[-4000:]
-        metrics[source] = json.loads((tmp_path / source / "final_metrics.json").read_text())
+        metrics[source] = json.loads((tmp_path / f"run_{source}" / "final_metrics.json").read_text())
     assert metrics["shards"] == metrics["folder"]
