@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Mapping
 
 from . import rules
@@ -208,6 +209,11 @@ def validate(config: Any, prefix: str = "") -> None:
 def _validate_combinations(config: RunConfig) -> None:
     """Rules that relate two keys."""
     sampler, loss = config.sampler, config.loss
+    if config.data.root:
+        root, workspace = Path(config.data.root).resolve(), Path(config.workspace).resolve()
+        if workspace == root or root in workspace.parents:
+            raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "
+                              "location is read-only (a scan would also see the run's own files): choose another WORKSPACE")
     if sampler.name == "triplet" and loss.name != "triplet":
         raise ConfigError(f"loss.name: the triplet sampler needs loss 'triplet', got {loss.name!r}")
     if sampler.name == "balanced" and loss.name == "triplet":

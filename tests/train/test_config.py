@@ -119,3 +119,9 @@ def test_triplet_batch_size_sets_triplets_per_step():
     config = load_config(ROOT / "configs" / "triplet.yaml", environ={"BATCH_SIZE": "30", "HOROVOD_RANK": "0",
                                                                      "HOROVOD_SIZE": "2"})
     assert config.sampler.triplets_per_step == 20
+
+
+def test_a_workspace_inside_the_data_root_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"workspace: .*/data/run lies inside data.root .*/data; the data location "
+                                          r"is read-only"):
+        load_config(None, [f"data.root={tmp_path / 'data'}", f"workspace={tmp_path / 'data' / 'run'}"], environ={})
