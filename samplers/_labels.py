@@ -85,10 +85,10 @@ def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
     floats that are not exact integers are refused.
     """
     source = _source_of(labels, owner)
-    if hasattr(source, "detach") and hasattr(source, "cpu"):  # a torch tensor
-        source = source.detach().cpu().numpy()
+    from pksampler.arrays import as_numpy
+
     try:
-        array = np.asarray(source)
+        array = as_numpy(source, name=f"{owner}(labels=)", kinds=None, contiguous=False)
     except (TypeError, ValueError) as error:
         raise TypeError(f"{owner}(labels=) could not be read as an array of labels: {error}") from None
     if array.ndim != 1:

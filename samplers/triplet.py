@@ -137,9 +137,9 @@ class _TripletPlan(StepPlanSampler):
     def _mine(self, embeddings: Any, labels: Any, owner: str) -> np.ndarray:
         from pksampler.train.mining import class_neighbours
 
-        if hasattr(labels, "detach") and hasattr(labels, "cpu"):
-            labels = labels.detach().cpu().numpy()
-        labels = np.asarray(labels)
+        from pksampler.arrays import as_numpy
+
+        labels = as_numpy(labels, name=f"{owner}(labels=)", kinds=None, contiguous=False)
         rows = np.shape(embeddings)[0] if np.ndim(embeddings) >= 1 else 0
         if labels.shape != (rows,):
             raise ValueError(f"{owner}(labels=) must have shape ({rows},), one label per embedding row, got {labels.shape}")

@@ -78,9 +78,9 @@ def check_neighbour_table(table: Any, num_classes: int, hard_classes: int, *, ow
     ``[-1, num_classes)`` (``-1``: no neighbour); a row never names its own
     class (that would make negatives from the anchor's class).
     """
-    if hasattr(table, "detach") and hasattr(table, "cpu"):
-        table = table.detach().cpu().numpy()
-    array = np.asarray(table)
+    from pksampler.arrays import as_numpy
+
+    array = as_numpy(table, name=owner, kinds=None, contiguous=False)
     if array.shape != (num_classes, hard_classes):
         raise ValueError(f"{owner}: the neighbour table must have shape (num_classes, hard_classes) = "
                          f"({num_classes}, {hard_classes}), got {array.shape}")

@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 
+from pksampler.arrays import as_numpy
+
 __all__ = ["class_neighbours"]
 
 
 def _as_numpy(value: Any) -> np.ndarray:
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor
-        value = value.detach().cpu().numpy()
-    return np.asarray(value)
+    return as_numpy(value, name="class_neighbours", kinds=None, contiguous=False)
 
 
 def _checked_inputs(embeddings: Any, codes: Any, num_classes: int, hard_classes: int) -> tuple[np.ndarray, np.ndarray]:
