@@ -211,3 +211,15 @@ def test_normalize_equals_the_torch_formula_and_keeps_dtype():
     std = torch.tensor(normalize.std)[:, None, None]
     out = normalize(tensor, None)
     assert out.dtype == torch.float32 and torch.equal(out, (tensor - mean) / std)
+
+
+def test_split_uses_dense_class_codes_as_they_are():
+    from pksampler.datasets.split import _class_codes
+
+    rng = np.random.default_rng(0)
+    for labels in (rng.integers(0, 50, 1000), rng.integers(5, 7, 10), np.array([3, 3, 9, 1]),
+                   rng.integers(0, 10**6, 100), np.array(["b", "a", "b"])):
+        classes, codes = _class_codes(labels)
+        reference = np.unique(labels, return_inverse=True)
+        np.testing.assert_array_equal(classes, reference[0])
+        np.testing.assert_array_equal(codes, reference[1])
