@@ -34,7 +34,9 @@ def launch(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: 
            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the script on ``np`` ranks; stdout and stderr merged. A timeout kills the whole launcher."""
     command = launch_command(launcher, script, *args, np=np)
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    # Gloo's rendezvous waits 30 s by default; 16 ranks importing torch on 2 busy cores can take longer.
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
+                **(env or {})}
     process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
