@@ -63,8 +63,7 @@ def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> Non
     mine = sampler_fingerprint(sampler)
     if allgather is None:
         from pksampler.comm import all_gather_numpy as allgather
-    gather = allgather
-    table = np.asarray(gather(mine))
+    table = np.asarray(allgather(mine))
     if table.ndim != 2 or table.shape[1] != mine.shape[0]:
         raise SamplerMismatchError(f"allgather returned shape {table.shape}, expected (world_size, {mine.shape[0]})")
     if table.shape[0] != sampler.num_replicas:

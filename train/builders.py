@@ -57,9 +57,9 @@ def _synthetic(data: DataConfig, seed: int) -> LabelledDataset:
     return SyntheticProducts(**data.args, augment_seed=seed)
 
 
-def _decoding(data: DataConfig) -> dict:
-    """JPEGs much larger than the training size decode in draft mode (DCT scaling) to the eval resize."""
-    return {"decode_size": round(data.image_size * 8 / 7), **data.args}
+def _decoding(data: DataConfig, args: dict | None = None) -> dict:
+    """``args`` (default ``data.args``) plus a decode size: large JPEGs decode in draft mode to the eval resize."""
+    return {"decode_size": round(data.image_size * 8 / 7), **(data.args if args is None else args)}
 
 
 def _folder(data: DataConfig, seed: int) -> LabelledDataset:
@@ -74,7 +74,7 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
     root = Path(data.root) if data.root else None
     if root is not None and not list_file.is_absolute():
         list_file = root / list_file
-    return ListFileDataset(list_file, root=root, seed=seed, **{"decode_size": round(data.image_size * 8 / 7), **args})
+    return ListFileDataset(list_file, root=root, seed=seed, **_decoding(data, args))
 
 
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
@@ -132,14 +132,18 @@ def per_rank_share(total: int, world_size: int, key: str) -> int:
 
 def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
     per_rank = per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step")
-    classes = np.unique(labels).size
-    if classes < sampler.classes_per_step:
-        raise ConfigError(
-            f"sampler.classes_per_step={sampler.classes_per_step} needs that many distinct classes in every step, "
-            f"but the training split has {classes}: lower sampler.classes_per_step, or use more data (or a lower "
-            "data.test_fraction)")
-    return DistributedBalancedBatchSampler(labels, per_rank, sampler.samples_per_class, num_replicas=world_size,
-                                           rank=rank, seed=seed, **sampler.args)
+    try:
+        return DistributedBalancedBatchSampler(labels, per_rank, sampler.samples_per_class, num_replicas=world_size,
+                                               rank=rank, seed=seed, **sampler.args)
+    except ValueError:
+        # Counted only when the sampler refuses, so a good start-up never sorts 10^8 labels for it.
+        classes = np.unique(labels).size
+        if classes < sampler.classes_per_step:
+            raise ConfigError(
+                f"sampler.classes_per_step={sampler.classes_per_step} needs that many distinct classes in every "
+                f"step, but the training split has {classes}: lower sampler.classes_per_step, or use more data "
+                "(or a lower data.test_fraction)") from None
+        raise
 
 
 def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):

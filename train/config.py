@@ -19,6 +19,7 @@ from typing import Any, Mapping
 import yaml
 
 from .overrides import apply_environment, parse_override, set_path
+from . import schema
 from .rules import ConfigError
 from .schema import (
     DataConfig,
@@ -32,19 +33,7 @@ from .schema import (
     validate,
 )
 
-__all__ = [
-    "ConfigError",
-    "DataConfig",
-    "DistributedConfig",
-    "LossConfig",
-    "ModelConfig",
-    "OptimConfig",
-    "RunConfig",
-    "SamplerConfig",
-    "TrainConfig",
-    "build_config",
-    "load_config",
-]
+__all__ = [*schema.__all__, "build_config", "load_config"]
 
 
 def _convert(value: Any, annotation: Any, path: str) -> Any:

@@ -37,10 +37,10 @@ class Backend:
     name = "none"
     gathered_loss_scale = 1.0
 
-    def __init__(self, device: str = "cpu", precision: str = "fp32") -> None:
+    def __init__(self, device: str = "cpu", precision: str = "fp32", *, setup: DeviceSetup | None = None) -> None:
         self.rank, self.size = comm.world_info()
         self.local_rank = comm.local_rank()
-        self.setup: DeviceSetup = setup_device(device, precision, self.local_rank)
+        self.setup: DeviceSetup = setup if setup is not None else setup_device(device, precision, self.local_rank)
 
     @property
     def device(self) -> torch.device:
@@ -155,7 +155,7 @@ class TorchBackend(Backend):
             else:
                 dist.init_process_group(backend="gloo")
         self.dist = dist
-        super().__init__(device, precision)
+        super().__init__(device, precision, setup=setup)
 
     @property
     def collective_device(self) -> torch.device | None:

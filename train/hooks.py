@@ -18,6 +18,7 @@ import numpy as np
 
 from pksampler.files import atomic_write_text
 
+from .rules import ConfigError
 from .workspace import EventLog
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -131,7 +132,7 @@ class EvaluationHook(HookBase):
         state.final_metrics = metrics
         state.history["eval_epochs"].append(state.epoch)
         state.history["recalls"].append(metrics["recall_at_1"])
-        state.history.setdefault("map_at_r", []).append(metrics.get("map_at_r", float("nan")))
+        state.history["map_at_r"].append(metrics.get("map_at_r", float("nan")))
         if metrics["recall_at_1"] > state.best:
             state.best = metrics["recall_at_1"]
             self.save("best.pt")
@@ -189,8 +190,6 @@ class BadImageHook(HookBase):
             print(f"[pksampler] epoch {epoch}: {bad} of {total} images could not be decoded and were replaced by "
                   "other images of their class (paths above)", flush=True)
         if bad > self.max_fraction * max(total, 1):
-            from .rules import ConfigError
-
             raise ConfigError(f"data.max_bad_fraction: {bad} of {total} images ({bad / total:.2%}) could not be "
                               f"decoded in epoch {epoch}, more than the allowed {self.max_fraction:.2%}: the data "
                               "looks broken (paths above); fix it or raise data.max_bad_fraction")

@@ -120,13 +120,13 @@ class CrossBatchMemory:
             raise ValueError(f"embeddings have dimension {embeddings.shape[1]}, the memory holds dim={self.dim}")
         if self._embeddings is None:
             self._allocate(embeddings.shape[0], embeddings.shape[1])
-        assert self._embeddings is not None and self._labels is not None
-        capacity = self._embeddings.shape[0]
+        buffer, buffer_labels = self._buffers()
+        capacity = buffer.shape[0]
         rows = embeddings.detach()[-capacity:].to(self.device, self.dtype)
         new_labels = labels.detach()[-capacity:].to(self.device, torch.int64)
         positions = (self._pointer + torch.arange(rows.shape[0], device=self.device)) % capacity
-        self._embeddings[positions] = rows
-        self._labels[positions] = new_labels
+        buffer[positions] = rows
+        buffer_labels[positions] = new_labels
         self._pointer = (self._pointer + rows.shape[0]) % capacity
         self._filled = min(capacity, self._filled + rows.shape[0])
         self.steps += 1
@@ -141,9 +141,15 @@ class CrossBatchMemory:
             dim = self.dim or 0
             return (torch.zeros(0, dim, dtype=self.dtype, device=self.device),
                     torch.zeros(0, dtype=torch.int64, device=self.device))
-        assert self._embeddings is not None and self._labels is not None
+        buffer, buffer_labels = self._buffers()
         order = self._order()
-        return self._embeddings[order], self._labels[order]
+        return buffer[order], buffer_labels[order]
+
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The allocated embedding and label buffers (allocated by the first :meth:`enqueue`)."""
+        if self._embeddings is None or self._labels is None:
+            raise RuntimeError("CrossBatchMemory: no batch has been enqueued yet")
+        return self._embeddings, self._labels
 
     def _order(self) -> torch.Tensor:
         """Buffer rows from oldest to newest."""

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from pksampler.files import atomic_write_text
-from pksampler.samplers import check_consistent
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
@@ -217,8 +216,9 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     torch.manual_seed(config.seed)
     lock, data, sampler = _prepare(config, backend)
     try:
+        # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
+        # labels compared here, so the sampler's own consistency check would only repeat it.
         check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
-        check_consistent(sampler, allgather=backend.allgather_numpy)
         parts = _step_parts(config, backend, data, sampler)
         trainer = Trainer(parts, [])
         saved = _load_resume_state(config, backend)
@@ -246,10 +246,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         with writing(path, "; the previous checkpoint is intact"):
             save_checkpoint(path, _checkpoint_state(trainer, config))
 
-    trainer.hooks = []
-    for hook in [*_hooks(config, trainer, data, log, save), *extra_hooks]:
-        hook.trainer = trainer
-        trainer.hooks.append(hook)
+    trainer.register([*_hooks(config, trainer, data, log, save), *extra_hooks])
     return Run(trainer, workspace, log, lock)
 
 
@@ -258,8 +255,8 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
     lr = parts.optimizer.param_groups[0].get("initial_lr", parts.optimizer.param_groups[0]["lr"])
     setup = backend.setup
     print(f"[pksampler] backend={backend.name} world={backend.size} device={setup.device} precision={setup.precision} "
-          f"train={len(data.train)} images ({np.unique(data.train.labels).size} classes) test={len(data.test)} images "
-          f"({np.unique(data.test.labels).size} classes) batch/rank={parts.sampler.batch_size} "
+          f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
+          f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} steps/epoch={parts.sampler.num_batches}"
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
     if state.epoch >= config.train.epochs:

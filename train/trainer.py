@@ -92,9 +92,15 @@ class Trainer:
         self.parts = parts
         self.state = state if state is not None else TrainState()
         self.resume_sampler_state: dict[str, Any] | None = None
-        self.hooks = list(hooks)
-        for hook in self.hooks:
+        self._last_loss = torch.zeros(())
+        self.hooks: list[HookBase] = []
+        self.register(hooks)
+
+    def register(self, hooks: Iterable[HookBase]) -> None:
+        """Append ``hooks``; each is called after those registered before it."""
+        for hook in hooks:
             hook.trainer = self
+            self.hooks.append(hook)
 
     @property
     def global_batch(self) -> int:
