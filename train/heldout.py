@@ -3,21 +3,32 @@
 Every rank embeds a strided share of the items on its device; the shares are
 all-gathered and faiss runs on a host copy on rank 0, which also renders the
 result gallery from the neighbours that evaluation already found.
+
+Unreadable held-out images are left out of the evaluation, never replaced:
+a replacement by another image of the class would be its own nearest
+neighbour and inflate Recall@K. They are named on stderr, counted in the
+``eval`` record (``num_unreadable``) and held to ``data.max_bad_fraction``
+like the training images.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import sys
+
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Subset
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from pksampler.datasets import LabelledSubset
+from pksampler.datasets import ImageLoadError, LabelledSubset
+from pksampler.datasets.transforms import apply_transform, sample_rng
 
 from .distributed import Backend
 from .metrics import evaluate_retrieval
 from .render import save_gallery_png
+from .rules import ConfigError
 from .workspace import EventLog
 
 __all__ = ["HeldOutEvaluator", "embed"]
@@ -48,38 +59,105 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
     return result
 
 
+class _FlagUnreadable(Dataset):
+    """Held-out items loaded with ``on_bad="raise"``: an unreadable one gives a blank image and sets its flag.
+
+    The flags live in shared memory, so DataLoader workers set them too.
+    """
+
+    def __init__(self, test_set: LabelledSubset) -> None:
+        parent = getattr(test_set, "dataset", test_set)
+        indices = getattr(test_set, "indices", np.arange(len(test_set)))
+        self.items = LabelledSubset(parent, indices, transform=test_set.transform, on_bad="raise")
+        self.items.set_epoch(test_set.epoch)
+        self.labels = test_set.labels
+        self.unreadable = torch.zeros(len(test_set), dtype=torch.bool).share_memory_()
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int):
+        try:
+            return self.items[index]
+        except ImageLoadError as error:
+            if not self.unreadable[index]:
+                print(f"pksampler: held-out image left out of the evaluation: {error}", file=sys.stderr, flush=True)
+            self.unreadable[index] = True
+            blank = apply_transform(self.items.transform, Image.new("RGB", (64, 64)),
+                                    sample_rng(self.items.seed, self.items.epoch, index))
+            return blank, int(self.labels[index])
+
+
+def _flagged_on_any_rank(backend: Backend, flags: np.ndarray) -> np.ndarray:
+    """The OR of every rank's boolean ``flags`` (sent as packed bits)."""
+    if backend.size == 1:
+        return flags
+    packed = np.packbits(flags)
+    words = np.zeros(-(-max(packed.size, 1) // 8) * 8, dtype=np.uint8)
+    words[:packed.size] = packed
+    rows = backend.allgather_numpy(words.view(np.int64))
+    merged = np.bitwise_or.reduce(rows, axis=0).astype(np.int64).view(np.uint8)[:packed.size]
+    return np.unpackbits(merged, count=flags.size).astype(bool)
+
+
 class HeldOutEvaluator:
-    """Recall@K, MAP@R etc. on held-out classes, a result gallery PNG and a log record per call."""
+    """Recall@K, MAP@R etc. on held-out classes, a result gallery PNG and a log record per call.
+
+    Unreadable held-out images are left out and counted (``num_unreadable``);
+    more than ``max_bad_fraction`` of them is a ConfigError on every rank.
+    """
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
-                 galleries: Path, gallery_queries: int, log: EventLog) -> None:
+                 galleries: Path, gallery_queries: int, log: EventLog, max_bad_fraction: float = 0.001) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
         self.galleries, self.gallery_queries, self.log = galleries, gallery_queries, log
+        self.max_bad_fraction = max_bad_fraction
         self.last_gallery: Path | None = None
 
+    def _readable_embeddings(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """Embeddings of the readable held-out items and their positions; unreadable ones counted and checked."""
+        flagged = _FlagUnreadable(self.test_set)
+        embeddings = embed(self.model, flagged, self.backend)
+        unreadable = _flagged_on_any_rank(self.backend, flagged.unreadable.numpy())
+        bad, total = int(unreadable.sum()), int(unreadable.size)
+        if bad > self.max_bad_fraction * total or bad == total:
+            raise ConfigError(f"data.max_bad_fraction: {bad} of {total} held-out images ({bad / max(total, 1):.2%}) "
+                              f"could not be decoded at the evaluation of epoch {epoch}, more than the allowed "
+                              f"{self.max_bad_fraction:.2%}: the data looks broken (paths above); fix it or raise "
+                              "data.max_bad_fraction")
+        keep = np.flatnonzero(~unreadable)
+        return embeddings[keep], keep
+
     def __call__(self, epoch: int, global_step: int = 0) -> dict[str, float]:
-        embeddings = embed(self.model, self.test_set, self.backend)
+        embeddings, keep = self._readable_embeddings(epoch)
         if self.backend.rank != 0:
             return {}
-        labels = self.test_set.labels
+        labels = self.test_set.labels[keep]
         queries = np.unique(np.linspace(0, len(labels) - 1, num=min(self.gallery_queries, len(labels))).astype(int))
         result = evaluate_retrieval(embeddings, labels, ks=(1, 5, 10), neighbour_rows=queries, num_neighbours=5)
-        metrics = result.metrics
+        metrics = {**result.metrics, "num_unreadable": int(len(self.test_set) - keep.size)}
         self.log.write(type="eval", epoch=epoch, global_step=global_step, **metrics)
         print(f"[pksampler] epoch {epoch}: " + " ".join(
             f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float)), flush=True)
-        self.last_gallery = self._gallery(epoch, queries, result, metrics)
+        self.last_gallery = self._gallery(epoch, queries, result, metrics, keep)
         return metrics
 
-    def _gallery(self, epoch: int, queries: np.ndarray, result, metrics: dict) -> Path:
-        labels, parent = self.test_set.labels, self.test_set.indices
+    def _gallery(self, epoch: int, queries: np.ndarray, result, metrics: dict, keep: np.ndarray) -> Path:
+        labels, parent = self.test_set.labels[keep], self.test_set.indices[keep]
         neighbours = result.neighbours
         correct = labels[neighbours] == labels[queries][:, None]
         title = (f"epoch {epoch}: held-out classes, Recall@1 {metrics['recall_at_1']:.3f}, "
                  f"MAP@R {metrics.get('map_at_r', float('nan')):.3f}")
         return save_gallery_png(
             self.galleries / f"epoch_{epoch:03d}.png",
-            [self.dataset.load(int(parent[q])) for q in queries],
-            [[self.dataset.load(int(parent[n])) for n in row] for row in neighbours],
+            [self._tile(int(parent[q])) for q in queries],
+            [[self._tile(int(parent[n])) for n in row] for row in neighbours],
             correct, similarities=result.similarities, title=title,
         )
+
+    def _tile(self, index: int) -> Image.Image:
+        """The image of dataset item ``index`` for the gallery; grey if it cannot be decoded now."""
+        try:
+            return self.dataset.load(index)
+        except ImageLoadError:
+            return Image.new("RGB", (32, 32), (128, 128, 128))

@@ -166,7 +166,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     is_main = backend.rank == 0
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
-                                 gallery_queries=config.train.gallery_queries, log=log)
+                                 gallery_queries=config.train.gallery_queries, log=log,
+                                 max_bad_fraction=config.data.max_bad_fraction)
     hooks: list[HookBase] = [
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), save,
                        every=config.train.eval_every, epochs=config.train.epochs, is_main=is_main),
