@@ -24,7 +24,7 @@ from pksampler.files import atomic_write_bytes
 
 from .rules import ConfigError
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint", "to_numpy", "to_storable"]
+__all__ = ["CheckpointError", "count_non_finite", "load_checkpoint", "save_checkpoint", "to_numpy", "to_storable"]
 
 
 class CheckpointError(ConfigError):
@@ -53,6 +53,12 @@ def to_numpy(value: Any) -> Any:
     if isinstance(value, list):
         return [to_numpy(item) for item in value]
     return value
+
+
+def count_non_finite(tensors: dict[str, Any]) -> int:
+    """How many values of the floating-point tensors in ``tensors`` (a state dict) are NaN or infinite."""
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors.values()
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:

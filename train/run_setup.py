@@ -25,7 +25,7 @@ from pksampler.files import atomic_write_text
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import load_checkpoint, save_checkpoint, to_numpy
+from .checkpoint import CheckpointError, count_non_finite, load_checkpoint, save_checkpoint, to_numpy
 from .distributed import Backend
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
@@ -47,7 +47,7 @@ from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
 from .tensorboard import TensorBoardWriter
-from .trainer import StepParts, Trainer, TrainState
+from .trainer import StepParts, Trainer, TrainingDiverged, TrainState
 from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
 __all__ = ["Run", "assemble"]
@@ -143,6 +143,10 @@ def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | 
                 raise ConfigError(f"checkpoint {path} was written by another version of pksampler; "
                                   "start afresh with --no-resume or another WORKSPACE")
             check_resume_compatible(state["config"], config.to_dict(), str(path))
+            bad = count_non_finite(state["model"])
+            if bad:
+                raise CheckpointError(f"checkpoint {path} holds {bad} NaN or infinite parameter value(s) (a run that "
+                                      "diverged); resume from an earlier copy or start afresh with --no-resume")
         except ConfigError as caught:
             error, state = caught, None
     raise_together(backend, error)
@@ -241,6 +245,12 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
     def save(name: str) -> None:
+        # Every rank holds the same parameters, so every rank takes the same decision.
+        bad = count_non_finite(trainer.parts.model.state_dict())
+        if bad:
+            raise TrainingDiverged(f"the model holds {bad} NaN or infinite parameter value(s) at global step "
+                                   f"{trainer.state.global_step}; {name} was not written (the last good one is kept): "
+                                   "lower optim.lr, raise optim.warmup_steps or check the data")
         if not is_main:
             return
         path = workspace / "checkpoints" / name

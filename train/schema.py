@@ -16,6 +16,7 @@ at every world size that divides G.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -214,6 +215,7 @@ def _validate_combinations(config: RunConfig) -> None:
         if workspace == root or root in workspace.parents:
             raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "
                               "location is read-only (a scan would also see the run's own files): choose another WORKSPACE")
+    _check_effective_lr(config)
     if sampler.name == "triplet" and loss.name != "triplet":
         raise ConfigError(f"loss.name: the triplet sampler needs loss 'triplet', got {loss.name!r}")
     if sampler.name == "balanced" and loss.name == "triplet":
@@ -233,3 +235,13 @@ def _validate_combinations(config: RunConfig) -> None:
             if key in loss.memory:
                 rules.positive_int(f"loss.memory.{key}", loss.memory[key])
         rules.int_at_least(0)("loss.memory.warmup_steps", loss.memory.get("warmup_steps", 0))
+
+
+def _check_effective_lr(config: RunConfig) -> None:
+    """The rate the optimizer gets, ``optim.lr x images per step / optim.base_batch``, must be a finite number."""
+    sampler, optim = config.sampler, config.optim
+    images = 3 * sampler.triplets_per_step if sampler.name == "triplet" else sampler.classes_per_step * sampler.samples_per_class
+    effective = optim.lr * images / optim.base_batch
+    if not math.isfinite(effective):
+        raise ConfigError(f"optim.lr: {optim.lr!r} x {images} images per step / optim.base_batch={optim.base_batch} "
+                          f"gives the learning rate {effective}, which is not a finite number; lower optim.lr")

@@ -26,7 +26,10 @@ __all__ = ["StepParts", "TrainResult", "TrainState", "Trainer", "TrainingDiverge
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the message names the step (the last good checkpoint stays)."""
+    """The loss, the embeddings or the parameters became NaN or infinite; the message names the step.
+
+    The last good checkpoint stays: parameters that are not finite are never written.
+    """
 
 
 @dataclass
@@ -93,6 +96,7 @@ class Trainer:
         self.state = state if state is not None else TrainState()
         self.resume_sampler_state: dict[str, Any] | None = None
         self._last_loss = torch.zeros(())
+        self._embeddings_finite = torch.ones((), dtype=torch.bool)
         self.hooks: list[HookBase] = []
         self.register(hooks)
 
@@ -174,6 +178,8 @@ class Trainer:
             scaled = loss * (scale / parts.passes)
             (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
         self._last_loss = loss.detach()
+        # A loss can stay finite on NaN embeddings (multi_similarity compares them: every comparison is False).
+        self._embeddings_finite = torch.isfinite(embeddings.detach()).all()
 
     def optimizer_step(self) -> None:
         """Apply the reduced gradients (through the GradScaler in fp16), advance the schedule, check the loss."""
@@ -190,12 +196,21 @@ class Trainer:
         parts.optimizer.zero_grad()
         parts.scheduler.step()
         state.global_step += 1
-        # Gathered embeddings give every rank the same loss; otherwise average it.
-        loss = self._last_loss if parts.gather or backend.size == 1 else backend.allreduce_mean(self._last_loss.reshape(1))[0]
+        # Gathered embeddings give every rank the same loss; otherwise average it (and the finiteness flag).
+        loss, finite = self._last_loss, self._embeddings_finite
+        if not parts.gather and backend.size > 1:
+            both = backend.allreduce_mean(torch.stack([loss.float(), finite.float()]))
+            loss, finite = both[0], both[1] == 1
         state.loss = float(loss)
         state.lr = float(parts.scheduler.get_last_lr()[0])
         state.history["loss_steps"].append(state.global_step)
         state.history["losses"].append(state.loss)
+        if not bool(finite):
+            raise TrainingDiverged(
+                f"the embeddings hold NaN or infinite values at global step {state.global_step} (epoch "
+                f"{state.epoch + 1}; the loss is {state.loss}); training stopped. The last good checkpoint is kept: "
+                "lower optim.lr, raise optim.warmup_steps or check the data, then resume or start afresh"
+            )
         if not math.isfinite(state.loss):
             raise TrainingDiverged(
                 f"the loss is {state.loss} at global step {state.global_step} (epoch {state.epoch + 1}); training "

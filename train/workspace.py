@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import socket
 from pathlib import Path
@@ -88,6 +89,12 @@ def prepare_workspace(workspace: Path) -> WorkspaceLock:
     return lock
 
 
+def _json_number(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
 class EventLog:
     """Rank-0 ``metrics.jsonl`` writer: one JSON object per line, flushed per line."""
 
@@ -96,8 +103,9 @@ class EventLog:
         self.handle = open(path, "a", encoding="utf-8") if enabled else None
 
     def write(self, **record: Any) -> None:
+        """Append ``record``; NaN and infinities become the strings "nan", "inf", "-inf" (JSON has no such numbers)."""
         if self.handle is not None:
-            self.handle.write(json.dumps(record) + "\n")
+            self.handle.write(json.dumps({k: _json_number(v) for k, v in record.items()}, allow_nan=False) + "\n")
             self.handle.flush()
 
     def truncate_after(self, global_step: int) -> None:
