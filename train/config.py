@@ -119,8 +119,8 @@ def load_config(
 ) -> RunConfig:
     """Load a RunConfig from YAML, then environment variables, then ``--set`` overrides."""
     tree: dict = _read_yaml(Path(path)) if path is not None else {}
-    apply_environment(tree, os.environ if environ is None else environ)
-    for text in overrides:
-        key, value = parse_override(text)
+    pairs = [parse_override(text) for text in overrides]
+    apply_environment(tree, os.environ if environ is None else environ, overrides=pairs)
+    for key, value in pairs:
         set_path(tree, key, value)
     return build_config(tree)

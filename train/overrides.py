@@ -9,8 +9,9 @@ environment) and ``WORKER_PER_NODE`` (DataLoader workers per process).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -58,8 +59,12 @@ def _number(environ: Mapping[str, str], key: str, kind: type) -> Any:
                           f"{'integer' if kind is int else 'number'}") from None
 
 
-def apply_environment(tree: dict, environ: Mapping[str, str]) -> None:
-    """Apply the platform's variables to the raw config ``tree`` (before validation)."""
+def apply_environment(tree: dict, environ: Mapping[str, str], *, overrides: Sequence[tuple[str, Any]] = ()) -> None:
+    """Apply the platform's variables to the raw config ``tree`` (before validation).
+
+    ``overrides`` are the ``--set`` pairs that will be applied afterwards: ``BATCH_SIZE``
+    is resolved with the sampler and K they give, not the file's.
+    """
     if environ.get("DATASETS_PATH") or environ.get("DATASETS"):
         base = Path(environ.get("DATASETS_PATH", "."))
         sub = environ.get("DATASETS") or tree.get("data", {}).get("root") or ""
@@ -73,14 +78,20 @@ def apply_environment(tree: dict, environ: Mapping[str, str]) -> None:
     if environ.get("WORKER_PER_NODE"):
         set_path(tree, "data.workers", _number(environ, "WORKER_PER_NODE", int))
     if environ.get("BATCH_SIZE"):
-        _apply_batch_size(tree, _number(environ, "BATCH_SIZE", int), environ)
+        _apply_batch_size(tree, _number(environ, "BATCH_SIZE", int), environ, overrides)
 
 
-def _apply_batch_size(tree: dict, per_process: int, environ: Mapping[str, str]) -> None:
+def _apply_batch_size(tree: dict, per_process: int, environ: Mapping[str, str],
+                      overrides: Sequence[tuple[str, Any]]) -> None:
     """BATCH_SIZE is images per process; the config is global, so multiply by the world size."""
     found = launcher_world(dict(environ))
     world = found[1] if found is not None else 1
-    sampler = tree.get("sampler") or {}
+    sampler = dict(tree.get("sampler") or {}) if isinstance(tree.get("sampler"), dict) else {}
+    for key, value in overrides:
+        if key == "sampler" and isinstance(value, dict):
+            sampler.update(value)
+        elif key.startswith("sampler.") and key.count(".") == 1:
+            sampler[key.split(".", 1)[1]] = value
     if per_process < 1:
         raise ConfigError(f"environment variable BATCH_SIZE={per_process} must be a positive integer")
     if sampler.get("name", "balanced") == "triplet":
