@@ -105,8 +105,9 @@ def build_data(config: RunConfig) -> DataParts:
         dataset = DATA_SOURCES[data.name](data, config.seed)
     except TypeError as error:
         raise ConfigError(f"data.args: {error}") from None
-    except (FileNotFoundError, NotADirectoryError, PermissionError) as error:
-        raise ConfigError(f"data.root: {error}") from None
+    except (OSError, ValueError) as error:  # a missing or empty folder, a damaged shard set, ...
+        key = "data.args.list_file" if data.name == "list" else "data.root"
+        raise ConfigError(f"{key}: {error}") from None
     train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
     return DataParts(
         dataset,

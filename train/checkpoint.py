@@ -24,7 +24,7 @@ from pksampler.files import atomic_write_bytes
 
 from .rules import ConfigError
 
-__all__ = ["CheckpointError", "count_non_finite", "load_checkpoint", "save_checkpoint", "to_numpy", "to_storable"]
+__all__ = ["CheckpointError", "check_training_checkpoint", "count_non_finite", "load_checkpoint", "save_checkpoint", "to_numpy", "to_storable"]
 
 
 class CheckpointError(ConfigError):
@@ -86,3 +86,22 @@ def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {path} holds a {type(state).__name__}, expected a dict")
     return state
+
+
+#: the sections of a training checkpoint and their types (see run_setup's checkpoint state)
+_SECTIONS = {"model": dict, "optimizer": dict, "scheduler": dict, "loss": dict, "state": dict, "sampler": dict,
+             "config": dict}
+
+
+def check_training_checkpoint(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """Refuse a checkpoint that loads safely but lacks a section, or holds one of the wrong type, naming both."""
+    for key, kind in _SECTIONS.items():
+        if not isinstance(state.get(key), kind):
+            found = "nothing" if key not in state else f"a {type(state[key]).__name__}"
+            raise CheckpointError(f"checkpoint {path}: section {key!r} must be a {kind.__name__}, it holds {found}; "
+                                  "the file is damaged or not a pksampler training checkpoint: start afresh with "
+                                  "--no-resume or another WORKSPACE")
+    for name, value in state["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"checkpoint {path}: model entry {name!r} is a {type(value).__name__}, not a tensor; "
+                                  "start afresh with --no-resume or another WORKSPACE")

@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .overrides import apply_environment, parse_override, set_path
+from .overrides import apply_environment, load_yaml, parse_override, set_path
 from . import schema
 from .rules import ConfigError
 from .schema import (
@@ -70,7 +70,14 @@ def _convert(value: Any, annotation: Any, path: str) -> Any:
     words, kinds = expected
     if not isinstance(value, kinds) or (annotation is not bool and isinstance(value, bool)):
         raise ConfigError(f"{path}: expected {words}, got {value!r}")
-    return float(value) if annotation is float else value
+    if annotation is int and abs(value) >= 2**64:  # the field rules give the exact range
+        raise ConfigError(f"{path}: expected an integer that fits in 64 bits, got {value!r}")
+    if annotation is float:
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(f"{path}: {value!r} is too large for a floating-point number") from None
+    return value
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
@@ -102,7 +109,7 @@ def _read_yaml(path: Path) -> dict:
         raise ConfigError(f"config file not found: {path}")
     try:
         with open(path, encoding="utf-8") as handle:
-            tree = yaml.safe_load(handle) or {}
+            tree = load_yaml(handle) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -345,6 +345,16 @@ def _spec(miner: Any) -> tuple[str, Mapping[str, Any]]:
     raise TypeError(f"loss.miner must be a mapping {{name, args}} or a config with .name/.args, got {miner!r}")
 
 
+def _probe(name: str, function: Callable[..., torch.Tensor], arguments: Mapping[str, Any]) -> None:
+    """Call a built-in loss once on four 2-D embeddings, so a wrong-typed argument fails at set-up, named."""
+    embeddings = torch.nn.functional.normalize(torch.tensor([[1.0, 0.2], [0.9, 0.3], [0.1, 1.0], [0.2, 0.8]]), dim=1)
+    try:
+        function(embeddings, torch.tensor([0, 0, 1, 1]), **arguments)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"loss.args: {dict(arguments)!r} do not suit loss {name!r} ({type(error).__name__}: "
+                         f"{error})") from None
+
+
 def build_loss(name: str, args: Mapping[str, Any] | None = None, miner: Any = None,
                memory: CrossBatchMemory | None = None) -> MetricLoss:
     """``loss(embeddings, labels)`` for the config block ``loss: {name, args, miner, memory}``.
@@ -384,6 +394,8 @@ def build_loss(name: str, args: Mapping[str, Any] | None = None, miner: Any = No
     if memory is not None and not _uses_references(function):
         raise ValueError(f"loss.memory: loss {name!r} takes no reference embeddings; use one of "
                          f"{sorted(n for n, f in LOSSES.items() if _uses_references(f))} or a pml.* loss")
+
+    _probe(name, function, arguments)
 
     def bound(embeddings: torch.Tensor, labels: torch.Tensor, **references: Any) -> torch.Tensor:
         return function(embeddings, labels, **arguments, **references)

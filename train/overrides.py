@@ -19,7 +19,23 @@ from pksampler.comm import launcher_world
 
 from .rules import ConfigError
 
-__all__ = ["PLATFORM_VARIABLES", "apply_environment", "parse_override", "set_path"]
+__all__ = ["PLATFORM_VARIABLES", "apply_environment", "load_yaml", "parse_override", "set_path"]
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-3`` as a number (YAML 1.2; YAML 1.1 wants ``1.0e-3``)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(stream: Any) -> Any:
+    """``yaml.safe_load`` with YAML 1.2 exponent floats (``1e-3``); nothing read executes code."""
+    return yaml.load(stream, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
 
 PLATFORM_VARIABLES = ("DATASETS_PATH", "DATASETS", "WORKSPACE", "EPOCHS", "LR", "BATCH_SIZE", "WORKER_PER_NODE")
 
@@ -44,7 +60,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not separator or not key.strip():
         raise ConfigError(f"--set expects key=value, got {text!r}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as error:
         reason = str(error).splitlines()[0]
         raise ConfigError(f"--set {key.strip()}: {raw!r} is not a valid YAML value ({reason})") from None

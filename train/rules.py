@@ -17,6 +17,7 @@ __all__ = [
     "choice",
     "closed_interval",
     "int_at_least",
+    "int_between",
     "non_negative_finite",
     "open_interval",
     "optional",
@@ -53,6 +54,14 @@ def int_at_least(minimum: int) -> Rule:
 
 
 positive_int = int_at_least(1)
+
+
+def int_between(minimum: int, maximum: int) -> Rule:
+    def rule(path: str, value: Any) -> None:
+        if not _is_int(value) or not minimum <= value <= maximum:
+            raise ConfigError(f"{path}: must be an integer in [{minimum}, {maximum}], got {value!r}")
+
+    return rule
 
 
 def positive_int_list(path: str, value: Any) -> None:

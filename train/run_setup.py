@@ -25,7 +25,7 @@ from pksampler.files import atomic_write_text
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import CheckpointError, count_non_finite, load_checkpoint, save_checkpoint, to_numpy
+from .checkpoint import CheckpointError, check_training_checkpoint, count_non_finite, load_checkpoint, save_checkpoint, to_numpy
 from .distributed import Backend
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
@@ -142,6 +142,7 @@ def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | 
             if state.get("format") != 2:
                 raise ConfigError(f"checkpoint {path} was written by another version of pksampler; "
                                   "start afresh with --no-resume or another WORKSPACE")
+            check_training_checkpoint(state, path)
             check_resume_compatible(state["config"], config.to_dict(), str(path))
             bad = count_non_finite(state["model"])
             if bad:
@@ -228,7 +229,13 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         trainer = Trainer(parts, [])
         saved = _load_resume_state(config, backend)
         if saved is not None:
-            _restore(trainer, saved)
+            try:
+                _restore(trainer, saved)
+            except (KeyError, TypeError, ValueError, RuntimeError) as error:
+                reason = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+                raise CheckpointError(f"checkpoint {Path(config.workspace) / 'checkpoints' / 'last.pt'} does not fit "
+                                      f"this run ({type(error).__name__}: {reason}); start afresh with --no-resume "
+                                      "or another WORKSPACE") from None
         backend.broadcast_state(parts.model, parts.optimizer)
     except BaseException:
         if lock is not None:

@@ -133,7 +133,7 @@ class TrainConfig:
     eval_every: int = _rule(2, rules.positive_int)
     checkpoint_every: int = _rule(50, rules.int_at_least(0))
     resume: bool = True
-    threads: int = _rule(1, rules.positive_int)
+    threads: int = _rule(1, rules.int_between(1, 4096))
     max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)))
     gallery_queries: int = _rule(8, rules.positive_int)
     progress_every_seconds: float = _rule(30.0, rules.positive_finite)
