@@ -11,7 +11,10 @@ image folders, list files and packed shards alike:
 2. 16-bit and 32-bit grayscale (``I;16``, ``I``) is scaled to 8 bits
    (``value / 257`` for the 16-bit range) instead of being clipped, which
    would turn every pixel above 255 white.
-3. Draft mode. With ``draft_size`` a JPEG much larger than the training size
+3. Regular files only. A path is opened without blocking and refused
+   unless it is a regular file: a FIFO would block ``open()`` forever and
+   a device such as ``/dev/zero`` never ends (:func:`open_regular`).
+4. Draft mode. With ``draft_size`` a JPEG much larger than the training size
    is decoded at 1/2, 1/4 or 1/8 scale by the DCT (``Image.draft``), never
    below ``draft_size`` on either side; decoding time falls roughly with the
    pixel count. Other formats ignore it.
@@ -21,12 +24,14 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-__all__ = ["IMAGE_EXTENSIONS", "MAX_IMAGE_PIXELS", "ImageLoadError", "load_rgb", "verify_image"]
+__all__ = ["IMAGE_EXTENSIONS", "MAX_IMAGE_PIXELS", "ImageLoadError", "load_rgb", "open_regular", "read_regular",
+           "verify_image"]
 
 IMAGE_EXTENSIONS = frozenset({".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm"})
 
@@ -42,6 +47,41 @@ class ImageLoadError(OSError):
 
 
 ImageSource = str | os.PathLike | bytes | bytearray | memoryview
+
+
+class NotRegularFileError(OSError):
+    """A path names a FIFO, a device, a socket or a folder where a regular file is needed."""
+
+
+def open_regular(path: str | os.PathLike) -> io.BufferedReader:
+    """Open ``path`` for reading without blocking, refusing anything but a regular file (links followed).
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for
+    a writer; ``fstat`` on the open descriptor then decides (no race between
+    a check and the open).
+
+    Raises:
+        FileNotFoundError: no such path. NotRegularFileError: a FIFO, device, socket or folder.
+    """
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if not stat.S_ISREG(mode):
+            kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a folder" if stat.S_ISDIR(mode) else "special")
+            raise NotRegularFileError(f"{os.fspath(path)} is {kind}, not a regular file; refused")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def read_regular(path: str | os.PathLike) -> bytes:
+    """All bytes of the regular file ``path`` (see :func:`open_regular`)."""
+    with open_regular(path) as handle:
+        return handle.read()
 
 
 def load_rgb(source: ImageSource, *, name: str | None = None, draft_size: int | None = None,
@@ -64,9 +104,9 @@ def load_rgb(source: ImageSource, *, name: str | None = None, draft_size: int | 
         raise ValueError(f"load_rgb(max_pixels=) must be a positive int, got {max_pixels!r}")
     if draft_size is not None and (isinstance(draft_size, bool) or not isinstance(draft_size, int) or draft_size < 1):
         raise ValueError(f"load_rgb(draft_size=) must be a positive int or None, got {draft_size!r}")
-    stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else source
     try:
-        with Image.open(stream) as image:
+        stream = io.BytesIO(source) if isinstance(source, (bytes, bytearray, memoryview)) else open_regular(source)
+        with stream, Image.open(stream) as image:
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageLoadError(f"cannot decode image {label}: {width}x{height} = {width * height} pixels "
@@ -79,8 +119,12 @@ def load_rgb(source: ImageSource, *, name: str | None = None, draft_size: int | 
         raise
     except FileNotFoundError:
         raise ImageLoadError(f"image file not found: {label}") from None
+    except NotRegularFileError as error:
+        raise ImageLoadError(f"cannot decode image {label}: {error}") from None
     except Image.DecompressionBombError as error:
         raise ImageLoadError(f"cannot decode image {label}: {error}") from None
+    except UnidentifiedImageError:  # Pillow's message holds the stream's repr (a memory address)
+        raise ImageLoadError(f"cannot decode image {label}: not in an image format that Pillow identifies") from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError, EOFError) as error:
         raise ImageLoadError(f"cannot decode image {label}: {error}") from None
 

@@ -70,7 +70,8 @@ class ImageFolderDataset(ImageFileDataset):
             raise ValueError(f"ImageFolderDataset(root=) has class folders but no image files ({sorted(IMAGE_EXTENSIONS)}): {self.root}")
         if skipped:
             warnings.warn(f"ImageFolderDataset: left out {len(skipped)} entr(ies) that cannot be read "
-                          f"(symlink loop, dangling link, folder reached twice): {skipped[:5]}", stacklevel=2)
+                          f"(symlink loop, dangling link, folder reached twice, not a regular file): {skipped[:5]}",
+                          stacklevel=2)
         if empty:
             warnings.warn(f"ImageFolderDataset: {len(empty)} class folder(s) hold no images, e.g. {empty[:3]}", stacklevel=2)
         self.paths = paths
@@ -111,6 +112,9 @@ def _scan_images(folder: Path, seen: set[tuple[int, int]], skipped: list[str]) -
                     elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                         if entry.is_symlink() and not os.path.exists(entry.path):
                             skipped.append(f"{entry.path} (dangling or looping link)")
+                            continue
+                        if not entry.is_file():  # a FIFO would block open() forever, a device never ends
+                            skipped.append(f"{entry.path} (not a regular file: a FIFO, device or socket)")
                             continue
                         found.append(entry.path)
         except OSError as error:

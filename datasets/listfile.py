@@ -51,6 +51,9 @@ class ListFileDataset(ImageFileDataset):
         self._set_decoding(decode_size, max_pixels)
         self.list_file = Path(list_file)
         if not self.list_file.is_file():
+            if self.list_file.exists():
+                raise ValueError(f"ListFileDataset(list_file=) is not a regular file (a FIFO, device or folder): "
+                                 f"{self.list_file}")
             raise FileNotFoundError(f"ListFileDataset(list_file=) not found: {self.list_file}")
         self.root = Path(root) if root is not None else self.list_file.parent
         if not self.root.is_dir():

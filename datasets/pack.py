@@ -57,7 +57,7 @@ from PIL import Image
 
 from pksampler.files import atomic_write_text, atomic_writer, remove_stale_temporaries
 
-from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
+from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb, read_regular
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
 from .sharded import FORMAT_VERSION, INDEX_DTYPE, MANIFEST, shard_name, write_index
@@ -164,8 +164,7 @@ def _write_shard(task: tuple[Path, int, int, list[str], list[int], int | None, i
         with tarfile.open(fileobj=stream, mode="w", format=tarfile.USTAR_FORMAT) as tar:
             for position, (path, label) in enumerate(zip(paths, labels), start=first):
                 try:
-                    with open(path, "rb") as handle:
-                        data = handle.read()
+                    data = read_regular(path)  # a FIFO or a device is refused, never read
                     payload, extension = _encode(path, data, max_side, max_pixels)
                 except (OSError, ImageLoadError) as error:
                     reason = str(error) if isinstance(error, ImageLoadError) else f"cannot read {path}: {error}"

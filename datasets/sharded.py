@@ -32,7 +32,7 @@ from PIL import Image
 
 from pksampler.files import atomic_write_text, atomic_writer
 
-from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
+from ._image import MAX_IMAGE_PIXELS, ImageLoadError, NotRegularFileError, load_rgb, open_regular
 from .base import LabelledDataset, check_decoding
 
 __all__ = [
@@ -200,9 +200,11 @@ class ShardedDataset(LabelledDataset):
             raise ValueError(f"{self.root / INDEX_FILE}: shard id {shard} out of range for {len(self.shard_names)} shards")
         path = _inside(self.root, self.shard_names[shard])
         try:
-            handle = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            handle = _regular_descriptor(path)
         except FileNotFoundError:
             raise FileNotFoundError(f"ShardedDataset: shard listed in {self.root / MANIFEST} is missing: {path}") from None
+        except NotRegularFileError as error:
+            raise ValueError(f"ShardedDataset: shard {error}") from None
         size = os.fstat(handle).st_size
         if size != self.shard_bytes[shard]:
             os.close(handle)
@@ -243,6 +245,18 @@ class ShardedDataset(LabelledDataset):
         self._pid = os.getpid()
 
 
+def _regular_descriptor(path: Path) -> int:
+    """A descriptor of the regular file ``path`` (a FIFO or device is refused without blocking)."""
+    with open_regular(path) as handle:
+        return os.dup(handle.fileno())
+
+
+def _require_regular(path: Path) -> None:
+    """Refuse a FIFO, device or folder where the shard set needs a regular file (``stat`` never blocks)."""
+    if path.exists() and not path.is_file():
+        raise ValueError(f"ShardedDataset: {path} is not a regular file (a FIFO, device or folder); refused")
+
+
 def _inside(root: Path, name: str) -> Path:
     """``root / name`` for a plain shard name, refusing links that resolve outside ``root``."""
     path = root / name
@@ -254,6 +268,7 @@ def _inside(root: Path, name: str) -> Path:
 
 def _read_manifest(root: Path) -> dict[str, Any]:
     path = root / MANIFEST
+    _require_regular(path)
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -282,6 +297,7 @@ def _open_index(root: Path, manifest: dict[str, Any], *, verify: bool) -> tuple[
     arrays = []
     for name, dtype in ((INDEX_FILE, INDEX_DTYPE), (LABELS_FILE, np.dtype(np.int64))):
         path = root / name
+        _require_regular(path)
         try:
             array = np.load(path, mmap_mode="r", allow_pickle=False)
         except FileNotFoundError:
