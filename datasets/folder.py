@@ -36,7 +36,14 @@ class ImageFolderDataset(ImageFileDataset):
         max_pixels: images declaring more pixels are bad images (decompression bombs).
 
     Entries that cannot be examined (a symlink loop, a dangling link, a folder
-    reached twice through links) are left out with a warning naming their paths.
+    reached twice through links, a FIFO or device) are left out with a warning
+    naming their paths.
+
+    Labels never move through links: every class folder (and the root and its
+    parents) is registered by ``(device, inode)`` before the walk, and a
+    folder link inside a class that leads to another class folder, into one,
+    or to the root or a parent of it is left out with a warning naming it.
+    Each class keeps exactly the images under its own folder.
 
     Attributes:
         labels: int64 class code per sample. classes: folder names. paths: file paths.
@@ -60,8 +67,9 @@ class ImageFolderDataset(ImageFileDataset):
         labels: list[int] = []
         empty: list[str] = []
         seen: set[tuple[int, int]] = set()
+        fences = _Fences(self.root, class_dirs)
         for code, name in enumerate(class_dirs):
-            found = _scan_images(self.root / name, seen, skipped)
+            found = _scan_images(self.root / name, seen, skipped, fences=fences, owner=name)
             if not found:
                 empty.append(name)
             paths.extend(found)
@@ -69,8 +77,8 @@ class ImageFolderDataset(ImageFileDataset):
         if not paths:
             raise ValueError(f"ImageFolderDataset(root=) has class folders but no image files ({sorted(IMAGE_EXTENSIONS)}): {self.root}")
         if skipped:
-            warnings.warn(f"ImageFolderDataset: left out {len(skipped)} entr(ies) that cannot be read "
-                          f"(symlink loop, dangling link, folder reached twice, not a regular file): {skipped[:5]}",
+            warnings.warn(f"ImageFolderDataset: left out {len(skipped)} entr(ies) (symlink loops, dangling links, "
+                          f"folders reached twice, links across class folders, non-regular files): {skipped[:5]}",
                           stacklevel=2)
         if empty:
             warnings.warn(f"ImageFolderDataset: {len(empty)} class folder(s) hold no images, e.g. {empty[:3]}", stacklevel=2)
@@ -90,15 +98,53 @@ def _is_dir(entry: os.DirEntry, skipped: list[str]) -> bool:
         return False
 
 
-def _scan_images(folder: Path, seen: set[tuple[int, int]], skipped: list[str]) -> list[str]:
+class _Fences:
+    """Where a class's walk must not go: other class folders, the root and its parents (by device and inode)."""
+
+    def __init__(self, root: Path, class_dirs: list[str]) -> None:
+        self.classes: dict[tuple[int, int], str] = {}
+        for name in class_dirs:
+            try:
+                info = os.stat(root / name)
+            except OSError:
+                continue
+            self.classes.setdefault((info.st_dev, info.st_ino), name)
+        self.parents: set[tuple[int, int]] = set()
+        for folder in (root.resolve(), *root.resolve().parents):
+            info = os.stat(folder)
+            self.parents.add((info.st_dev, info.st_ino))
+        self.root_real = str(root.resolve())
+        self.names = set(class_dirs)
+
+    def refusal(self, path: str, key: tuple[int, int], owner: str, *, linked: bool) -> str | None:
+        """Why the folder ``path`` (reached from class ``owner``) is not walked, or None."""
+        other = self.classes.get(key)
+        if other is not None and other != owner:
+            return f"a link to class folder {other!r}: its images keep their own label"
+        if key in self.parents:
+            return "a link to the root or a parent of it: it would pull in other classes"
+        if linked:
+            real = os.path.realpath(path)
+            inside = os.path.relpath(real, self.root_real).split(os.sep)[0]
+            if inside in self.names and inside != owner and not inside.startswith(".."):
+                return f"a link into class folder {inside!r}: its images keep their own label"
+        return None
+
+
+def _scan_images(folder: Path, seen: set[tuple[int, int]], skipped: list[str], *, fences: _Fences | None = None,
+                 owner: str = "") -> list[str]:
     """Image files under ``folder``, sorted; each real folder is walked once (link cycles end)."""
     found: list[str] = []
-    stack = [str(folder)]
+    stack = [(str(folder), False)]
     while stack:
-        current = stack.pop()
+        current, linked = stack.pop()
         try:
             info = os.stat(current)
             key = (info.st_dev, info.st_ino)
+            refusal = fences.refusal(current, key, owner, linked=linked) if fences is not None else None
+            if refusal is not None:
+                skipped.append(f"{current} ({refusal})")
+                continue
             if key in seen:
                 skipped.append(f"{current} (folder already scanned: a link cycle or duplicate)")
                 continue
@@ -108,7 +154,7 @@ def _scan_images(folder: Path, seen: set[tuple[int, int]], skipped: list[str]) -
                     if entry.name.startswith("."):
                         continue
                     if _is_dir(entry, skipped):
-                        stack.append(entry.path)
+                        stack.append((entry.path, linked or entry.is_symlink()))
                     elif os.path.splitext(entry.name)[1].lower() in IMAGE_EXTENSIONS:
                         if entry.is_symlink() and not os.path.exists(entry.path):
                             skipped.append(f"{entry.path} (dangling or looping link)")
