@@ -17,7 +17,12 @@ backward and DDP averages, which already gives that gradient.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import re
+import sys
+import threading
+import time
 from typing import Any, Iterator
 
 import numpy as np
@@ -28,7 +33,15 @@ from pksampler import comm
 
 from .device import DeviceSetup, setup_device
 
-__all__ = ["Backend", "HorovodBackend", "TorchBackend", "make_backend"]
+__all__ = ["Backend", "CollectiveTimeout", "HorovodBackend", "TorchBackend", "make_backend"]
+
+#: how often a torchrun rank checks that its launcher is still alive (seconds)
+_PARENT_POLL_SECONDS = 1.0
+_TIMEOUT_MESSAGE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than ``train.collective_timeout``; the message names the rank(s) behind."""
 
 
 class Backend:
@@ -95,6 +108,9 @@ class Backend:
     def shutdown(self) -> None:
         pass
 
+    def raise_if_timed_out(self, error: BaseException) -> None:
+        """Turn a collective's timeout into :class:`CollectiveTimeout` naming the ranks behind (torchrun)."""
+
 
 class HorovodBackend(Backend):
     """Horovod: ``hvd.init``, ring-allreduce in ``hvd.DistributedOptimizer`` (NCCL on GPU builds)."""
@@ -143,19 +159,72 @@ class TorchBackend(Backend):
 
     name = "torch"
 
-    def __init__(self, device: str = "auto", precision: str = "auto") -> None:
+    def __init__(self, device: str = "auto", precision: str = "auto", *, collective_timeout: float = 300.0) -> None:
         import torch.distributed as dist
 
         found = comm.launcher_world()
         local = found[2] if found is not None else 0
         setup = setup_device(device, precision, local)  # pin the GPU before NCCL starts
+        timeout = datetime.timedelta(seconds=collective_timeout)
         if not dist.is_initialized():
             if setup.is_cuda:
-                dist.init_process_group(backend="nccl", device_id=setup.device)
+                dist.init_process_group(backend="nccl", device_id=setup.device, timeout=timeout)
             else:
-                dist.init_process_group(backend="gloo")
+                dist.init_process_group(backend="gloo", timeout=timeout)
         self.dist = dist
         super().__init__(device, precision, setup=setup)
+        self.collective_timeout = collective_timeout
+        self._collectives = 0
+        try:
+            self._store = dist.distributed_c10d._get_default_store()
+        except (AttributeError, RuntimeError, ValueError):
+            self._store = None
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            _exit_with_launcher(self.rank)
+
+    # --- progress marks: which rank reached how many collectives (read after a timeout) ---
+    def _mark(self) -> None:
+        self._collectives += 1
+        if self._store is not None:
+            self._store.set(f"pksampler/collectives/{self.rank}", str(self._collectives))
+
+    def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._mark()
+        return super().allreduce_mean(tensor)
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._mark()
+        return super().allgather(tensor)
+
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
+        self._mark()
+        return super().allgather_numpy(row)
+
+    def barrier(self) -> None:
+        self._mark()
+        super().barrier()
+
+    def raise_if_timed_out(self, error: BaseException) -> None:
+        if not _TIMEOUT_MESSAGE.search(str(error)):
+            return
+        counts = self._progress()
+        behind = sorted(r for r, c in counts.items() if c < max(counts.values()))
+        who = (f"rank(s) {behind} stopped responding (collectives reached per rank: {counts})" if behind
+               else "every rank reached as many collectives; one stopped inside the gradient allreduce")
+        raise CollectiveTimeout(
+            f"rank {self.rank}: a collective waited longer than train.collective_timeout={self.collective_timeout:g} s "
+            f"for the other ranks; {who}. The job ends; resume from the last checkpoint "
+            f"({str(error).splitlines()[0][:200]})") from None
+
+    def _progress(self) -> dict[int, int]:
+        counts = {}
+        for rank in range(self.size):
+            key = f"pksampler/collectives/{rank}"
+            try:
+                counts[rank] = int(self._store.get(key)) if self._store is not None and self._store.check([key]) else 0
+            except RuntimeError:
+                counts[rank] = 0
+        return counts
 
     @property
     def collective_device(self) -> torch.device | None:
@@ -191,6 +260,23 @@ class TorchBackend(Backend):
         self.dist.destroy_process_group()
 
 
+def _exit_with_launcher(rank: int) -> None:
+    """End this rank when its launcher (the torchrun agent, our parent) dies, e.g. killed with SIGKILL.
+
+    A daemon thread polls the parent pid; once the process is re-parented, the
+    agent is gone and nothing would stop the rank: it says so and exits.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_SECONDS)
+        print(f"[pksampler] rank {rank}: the launcher (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="pksampler-launcher-watch", daemon=True).start()
+
+
 def _launched_by_horovodrun() -> bool:
     return "HOROVOD_RANK" in os.environ or "HOROVOD_HOSTNAME" in os.environ
 
@@ -199,7 +285,8 @@ def _launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "MASTER_ADDR" in os.environ)
 
 
-def make_backend(choice: str = "auto", *, device: str = "auto", precision: str = "auto") -> Backend:
+def make_backend(choice: str = "auto", *, device: str = "auto", precision: str = "auto",
+                 collective_timeout: float = 300.0) -> Backend:
     """The backend for ``distributed.backend``: auto picks the launcher's runtime.
 
     ``auto``: Horovod under horovodrun, torch.distributed under torchrun,
@@ -208,7 +295,7 @@ def make_backend(choice: str = "auto", *, device: str = "auto", precision: str =
     if choice == "horovod" or (choice == "auto" and _launched_by_horovodrun()):
         return HorovodBackend(device, precision)
     if choice == "torch" or (choice == "auto" and _launched_by_torchrun()):
-        return TorchBackend(device, precision)
+        return TorchBackend(device, precision, collective_timeout=collective_timeout)
     if choice == "none":
         return Backend(device, precision)
     try:

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     args = parse_args(argv)
     from pksampler.samplers import SamplerMismatchError
     from pksampler.train.config import ConfigError, load_config
+    from pksampler.train.distributed import CollectiveTimeout
     from pksampler.train.trainer import TrainingDiverged
 
     overrides = list(args.overrides)
@@ -106,6 +107,10 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
         return _report_and_exit(f"error: {error}", 2)
     except TrainingDiverged as error:
         return _report_and_exit(f"error: {error}", 1)
+    except CollectiveTimeout as error:
+        # The rank that stopped may be rank 0: every rank that waited says so itself.
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 1
     except Exception as error:  # noqa: BLE001 - shown once, then a non-zero exit
         return _report_unexpected(error)
     if result.final_metrics:

@@ -138,6 +138,9 @@ class TrainConfig:
     gallery_queries: int = _rule(8, rules.positive_int)
     progress_every_seconds: float = _rule(30.0, rules.positive_finite)
     tensorboard: bool | None = None  # None: on when the tensorboard package is installed
+    # torchrun: seconds a collective waits for the other ranks before the job ends naming the rank that
+    # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
+    collective_timeout: float = _rule(300.0, rules.positive_finite)
 
 
 @dataclass(frozen=True)

@@ -235,9 +235,14 @@ def main(config, extra_hooks: Iterable[HookBase] = ()) -> TrainResult:
     """Initialise the backend chosen by the config and train."""
     from .distributed import make_backend
 
-    backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision)
+    backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision,
+                           collective_timeout=config.train.collective_timeout)
     try:
-        result = train(config, backend, extra_hooks)
+        try:
+            result = train(config, backend, extra_hooks)
+        except RuntimeError as error:
+            backend.raise_if_timed_out(error)
+            raise
         # Leave together: a rank that exits while another still uses the group
         # (rank 0 writing the last checkpoint) would abort it.
         backend.barrier()

@@ -6,12 +6,15 @@ global step (a hook injected here, never part of the trainer).
 global step (an unexpected exception).
 ``PKSAMPLER_TEST_RANK_SET=rank:key=value``: that rank alone gets an extra
 ``--set key=value`` (ranks that disagree).
+``PKSAMPLER_TEST_FREEZE=rank:step``: that rank stops responding (sleeps) after that global step.
+``PKSAMPLER_TEST_PIDS=folder``: every rank writes ``folder/<rank>.pid`` before training.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +45,24 @@ class RaiseAt(HookBase):
             raise RuntimeError(f"unexpected failure injected at step {self.step}")
 
 
+class FreezeAt(HookBase):
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def after_step(self) -> None:
+        if world_info()[0] == self.rank and self.trainer.state.global_step == self.step:
+            print(f"[test] rank {self.rank}: frozen at step {self.step}", flush=True)
+            time.sleep(3600)
+
+
+class WritePid(HookBase):
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def before_train(self) -> None:
+        (self.folder / f"{world_info()[0]}.pid").write_text(str(os.getpid()))
+
+
 def _arguments() -> tuple[list[str], list[HookBase]]:
     argv, hooks = sys.argv[1:], []
     crash = os.environ.get("PKSAMPLER_TEST_CRASH")
@@ -50,6 +71,12 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(CrashAt(rank, step))
     if os.environ.get("PKSAMPLER_TEST_RAISE"):
         hooks.append(RaiseAt(int(os.environ["PKSAMPLER_TEST_RAISE"])))
+    freeze = os.environ.get("PKSAMPLER_TEST_FREEZE")
+    if freeze:
+        rank, step = (int(v) for v in freeze.split(":"))
+        hooks.append(FreezeAt(rank, step))
+    if os.environ.get("PKSAMPLER_TEST_PIDS"):
+        hooks.append(WritePid(os.environ["PKSAMPLER_TEST_PIDS"]))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
     if variant:
         rank, setting = variant.split(":", 1)

@@ -1,0 +1,75 @@
+"""torchrun faults end the job: a rank that stops responding (named), and a launcher killed with SIGKILL."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from launch import ROOT, launch, launch_command
+
+pytestmark = pytest.mark.horovod
+HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
+
+
+def write_config(tmp_path: Path, **train) -> Path:
+    config = {
+        "seed": 3, "workspace": str(tmp_path / "run"),
+        "data": {"args": {"num_classes": 24, "images_per_class": 6, "image_size": 32}, "image_size": 24, "workers": 0},
+        "sampler": {"classes_per_step": 4, "samples_per_class": 3},
+        "model": {"width": 8, "depth": [1, 1], "embedding_dim": 16},
+        "loss": {"name": "batch_hard"}, "optim": {"lr": 0.003, "base_batch": 12},
+        "train": {"epochs": 2, "eval_every": 1, "tensorboard": False, **train},
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_a_frozen_rank_ends_the_job_after_the_collective_timeout_naming_it(tmp_path):
+    config = write_config(tmp_path, collective_timeout=15)
+    result = launch("torchrun", HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_FREEZE": "1:2"}, timeout=280)
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert ("error: rank 0: a collective waited longer than train.collective_timeout=15 s for the other ranks; "
+            "rank(s) [1] stopped responding") in result.stdout, result.stdout[-3000:]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone too
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_ranks_exit_when_the_torchrun_launcher_is_killed(tmp_path):
+    config = write_config(tmp_path, epochs=200)
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PKSAMPLER_TEST_PIDS": str(pids)}
+    agent = subprocess.Popen(launch_command("torchrun", HOOKED, "--config", str(config)), cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while len(list(pids.glob("*.pid"))) < 2 and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(1)
+        ranks = [int(p.read_text()) for p in pids.glob("*.pid")]
+        assert len(ranks) == 2, "the ranks did not start"
+        agent.kill()  # SIGKILL: the agent cannot stop its workers
+        agent.wait()
+        deadline = time.monotonic() + 60
+        while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(1)
+        assert not any(alive(pid) for pid in ranks), "ranks still training after their launcher died"
+    finally:
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
