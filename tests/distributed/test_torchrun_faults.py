@@ -60,7 +60,7 @@ def test_ranks_exit_when_the_torchrun_launcher_is_killed(tmp_path):
         deadline = time.monotonic() + 240
         while len(list(pids.glob("*.pid"))) < 2 and time.monotonic() < deadline and agent.poll() is None:
             time.sleep(1)
-        ranks = [int(p.read_text()) for p in pids.glob("*.pid")]
+        ranks = [int(p.read_text()) for p in pids.glob("*.pid") if p.read_text()]
         assert len(ranks) == 2, "the ranks did not start"
         agent.kill()  # SIGKILL: the agent cannot stop its workers
         agent.wait()
@@ -69,7 +69,8 @@ def test_ranks_exit_when_the_torchrun_launcher_is_killed(tmp_path):
             time.sleep(1)
         assert not any(alive(pid) for pid in ranks), "ranks still training after their launcher died"
     finally:
-        try:
-            os.killpg(agent.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        for pid in [agent.pid, *(int(p.read_text()) for p in pids.glob("*.pid"))]:
+            try:
+                os.kill(pid, signal.SIGKILL)  # the ranks run in sessions of their own
+            except ProcessLookupError:
+                pass
