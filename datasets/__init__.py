@@ -10,7 +10,7 @@ from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
 from .base import LabelledDataset, LabelledSubset
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
-from .sharded import ShardedDataset
+from .sharded import ShardDamagedError, ShardedDataset
 from .split import class_disjoint_split
 from .synthetic import SyntheticProducts, render_product
 from .transforms import eval_preset, sample_rng, train_preset
@@ -22,6 +22,7 @@ __all__ = [
     "LabelledSubset",
     "ListFileDataset",
     "MAX_IMAGE_PIXELS",
+    "ShardDamagedError",
     "ShardedDataset",
     "SyntheticProducts",
     "class_disjoint_split",

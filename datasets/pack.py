@@ -30,7 +30,8 @@ Steps:
    left-out files in ``skipped.tsv``.
 
 Resuming: run the same command again. A shard whose tar and sidecar both
-exist (and agree on the size) is kept; any other is rewritten from scratch,
+exist (and agree on the size and the SHA-256, so a shard damaged in place is
+found) is kept; any other is rewritten from scratch,
 so a shard interrupted mid-write (only a temporary file exists) is redone.
 If the source or options changed, the plan hash differs and the pack stops
 with an error instead of mixing two plans. Every file is written atomically
@@ -60,7 +61,7 @@ from pksampler.files import atomic_write_text, atomic_writer, remove_stale_tempo
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb, read_regular
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
-from .sharded import FORMAT_VERSION, INDEX_DTYPE, MANIFEST, shard_name, write_index
+from .sharded import FORMAT_VERSION, INDEX_DTYPE, MANIFEST, shard_digests, shard_name, write_index
 
 __all__ = ["main", "pack", "parse_size", "plan_shards"]
 
@@ -180,7 +181,8 @@ def _write_shard(task: tuple[Path, int, int, list[str], list[int], int | None, i
                 records.append([position, offset, len(payload)])
         stream.flush()
         tar_bytes = stream.tell()
-    sidecar = {"shard": shard, "tar_bytes": tar_bytes, "records": records, "bad": bad}
+    sidecar = {"shard": shard, "tar_bytes": tar_bytes, "records": records, "bad": bad,
+               **shard_digests(out / shard_name(shard))}
     atomic_write_text(out / _WORK / f"{shard_name(shard)}.json", json.dumps(sidecar))
     return shard, len(records), bad
 
@@ -190,7 +192,9 @@ def _shard_done(out: Path, shard: int) -> bool:
     if not (sidecar.is_file() and tar.is_file()):
         return False
     try:
-        return json.loads(sidecar.read_text())["tar_bytes"] == tar.stat().st_size
+        recorded = json.loads(sidecar.read_text())
+        # Same size is not enough: a shard damaged in place is found by its full digest and rewritten.
+        return recorded["tar_bytes"] == tar.stat().st_size and recorded["sha256"] == shard_digests(tar)["sha256"]
     except (ValueError, KeyError, OSError):
         return False
 
@@ -297,7 +301,8 @@ def _assemble(out: Path, num_shards: int, labels: np.ndarray, classes: list[str]
         part = np.empty(len(records), dtype=INDEX_DTYPE)
         part["shard"], part["offset"], part["size"] = shard, records[:, 1], records[:, 2]
         parts.append((part, labels[records[:, 0]]))
-        shards.append({"name": shard_name(shard), "bytes": sidecar["tar_bytes"], "samples": len(records)})
+        shards.append({"name": shard_name(shard), "bytes": sidecar["tar_bytes"], "samples": len(records),
+                       "fingerprint": sidecar["fingerprint"], "sha256": sidecar["sha256"]})
         bad.extend(sidecar["bad"])
     index = np.concatenate([p for p, _ in parts]) if parts else np.empty(0, INDEX_DTYPE)
     packed_labels = np.concatenate([lab for _, lab in parts]) if parts else np.empty(0, np.int64)

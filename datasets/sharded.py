@@ -5,16 +5,28 @@ The folder written by ``python -m pksampler.datasets.pack`` holds::
     shard-000000.tar ...   tar files of ``<key>.<ext>`` (image bytes as stored) + ``<key>.cls``
     index.npy              per sample: shard id (u4), byte offset of the image payload (u8), size (u4)
     labels.npy             per sample: int64 class code (the samplers read only this)
-    manifest.json          format and version, shard names and sizes, class names and counts,
-                           a fingerprint and a SHA-256 of index.npy + labels.npy
+    manifest.json          format and version, shard names, sizes and digests, class names and
+                           counts, a fingerprint and a SHA-256 of index.npy + labels.npy
 
 Samples are numbered in shard order and shards are written class by class,
 so sample indices, labels and bytes on disk run in the same order: a chunk of
 K samples of one class is K small positioned reads in one shard.
 
 The index and labels are memory-mapped (``np.load(mmap_mode="r",
-allow_pickle=False)``): opening a 10^8-sample set reads the manifest and two
-array headers, not the arrays.
+allow_pickle=False)``): opening a 10^8-sample set reads the manifest, two
+array headers and the labels once (one vectorised pass checks their range,
+class order and per-class counts against the manifest), never the index.
+
+Integrity, from cheap to complete:
+
+1. at open: the fingerprint of the index and labels (sizes, first and last
+   MiB) and the labels pass above;
+2. at the first open of each shard in a process: the shard's fingerprint
+   (size, first and last MiB: its first tar header names its first sample,
+   so two swapped shards of equal size differ);
+3. ``verify_index=True`` (or :meth:`ShardedDataset.verify`): the full SHA-256
+   of the index, the labels and every shard. The trainer runs the index part
+   once per host in the background.
 """
 
 from __future__ import annotations
@@ -39,8 +51,10 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "INDEX_DTYPE",
+    "ShardDamagedError",
     "ShardedDataset",
     "index_fingerprint",
+    "shard_digests",
     "write_index",
 ]
 
@@ -52,6 +66,11 @@ INDEX_FILE = "index.npy"
 LABELS_FILE = "labels.npy"
 _SHARD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\.tar$")
 _FINGERPRINT_SPAN = 1 << 20  # bytes hashed at each end of each array file
+_LABEL_BLOCK = 1 << 22  # labels checked per block at open (32 MiB of int64)
+
+
+class ShardDamagedError(ValueError):
+    """A shard, the index or the labels do not match the manifest: damaged on disk, swapped or from another pack."""
 
 
 def shard_name(shard: int) -> str:
@@ -59,21 +78,33 @@ def shard_name(shard: int) -> str:
     return f"shard-{shard:06d}.tar"
 
 
+def _hash_descriptor(digest: Any, descriptor: int, name: str, *, full: bool) -> None:
+    """Feed ``digest`` the file's name and size and either all its bytes or its first and last MiB."""
+    size = os.fstat(descriptor).st_size
+    digest.update(f"{name}:{size};".encode())
+    if full:
+        position = 0
+        while block := os.pread(descriptor, 1 << 24, position):
+            digest.update(block)
+            position += len(block)
+    else:
+        digest.update(os.pread(descriptor, _FINGERPRINT_SPAN, 0))
+        digest.update(os.pread(descriptor, _FINGERPRINT_SPAN, max(size - _FINGERPRINT_SPAN, 0)))
+
+
 def _hash_files(paths: Sequence[Path], *, full: bool) -> str:
     """SHA-256 over the files' sizes and either all their bytes or the first and last MiB of each."""
     digest = hashlib.sha256()
     for path in paths:
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size};".encode())
-        with open(path, "rb") as handle:
-            if full:
-                for block in iter(lambda: handle.read(1 << 24), b""):
-                    digest.update(block)
-            else:
-                digest.update(handle.read(_FINGERPRINT_SPAN))
-                handle.seek(max(size - _FINGERPRINT_SPAN, 0))
-                digest.update(handle.read(_FINGERPRINT_SPAN))
+        with open_regular(path) as handle:
+            _hash_descriptor(digest, handle.fileno(), path.name, full=full)
     return digest.hexdigest()
+
+
+def shard_digests(path: str | os.PathLike) -> dict[str, str]:
+    """``{"fingerprint", "sha256"}`` of one shard file: checked at its first open, and by a full verification."""
+    path = Path(path)
+    return {"fingerprint": _hash_files([path], full=False), "sha256": _hash_files([path], full=True)}
 
 
 def index_fingerprint(root: str | os.PathLike) -> str:
@@ -106,7 +137,8 @@ def write_index(root: str | os.PathLike, index: np.ndarray, labels: np.ndarray, 
         "num_classes": len(classes),
         "classes": [str(c) for c in classes],
         "class_counts": counts.astype(int).tolist(),
-        "shards": [{"name": s["name"], "bytes": int(s["bytes"]), "samples": int(s["samples"])} for s in shards],
+        "shards": [{"name": s["name"], "bytes": int(s["bytes"]), "samples": int(s["samples"]),
+                    **{k: str(s[k]) for k in ("fingerprint", "sha256") if k in s}} for s in shards],
         "index_dtype": [[name, INDEX_DTYPE[name].str] for name in INDEX_DTYPE.names],
         "index_fingerprint": index_fingerprint(root),
         "index_sha256": _hash_files([root / INDEX_FILE, root / LABELS_FILE], full=True),
@@ -132,8 +164,9 @@ class ShardedDataset(LabelledDataset):
         on_bad: ``"replace"`` (default) or ``"raise"``, as for the other datasets.
         decode_size: decode JPEGs in Pillow's draft mode at no less than this side.
         max_pixels: images declaring more pixels are bad images (decompression bombs).
-        verify_index: also check the full SHA-256 of the index (reads both arrays once);
-            by default only the fingerprint (sizes, first and last MiB) is checked.
+        verify_index: also check the full SHA-256 of the index, the labels and every shard
+            (reads everything once); by default only the fingerprints are checked
+            (sizes, first and last MiB; each shard's at its first open).
         max_open_shards: bound on cached open shard files per process.
 
     Path rules: shard names in the manifest must be plain file names
@@ -164,10 +197,31 @@ class ShardedDataset(LabelledDataset):
         self.shard_bytes = np.asarray([s["bytes"] for s in self.manifest["shards"]], dtype=np.int64)
         self.classes = list(self.manifest["classes"])
         self.index, self.labels = _open_index(self.root, self.manifest, verify=verify_index)
+        self._checked: set[int] = set()  # shards whose fingerprint matched in this process
         # The packer writes class by class: same-class lookups are a binary search, no scan of 10^8 labels.
         self._labels_sorted = True if self.manifest.get("class_contiguous") else None
         self._handles: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
+        if verify_index:
+            self.verify(index=False)
+
+    def verify(self, *, index: bool = True, shards: bool = True) -> None:
+        """Check the full SHA-256 of the index and labels and of every shard against the manifest (reads all).
+
+        Raises:
+            ValueError: naming the first file whose content does not match.
+        """
+        if index and _hash_files([self.root / INDEX_FILE, self.root / LABELS_FILE], full=True) != \
+                self.manifest.get("index_sha256"):
+            raise ShardDamagedError(f"ShardedDataset: {self.root / INDEX_FILE} and {self.root / LABELS_FILE} do not match "
+                             f"the SHA-256 in {self.root / MANIFEST} (damaged on disk? re-run pack)")
+        for shard, entry in enumerate(self.manifest["shards"] if shards else ()):
+            if "sha256" not in entry:
+                continue  # packed before shards carried digests
+            path = _inside(self.root, entry["name"])
+            if _hash_files([path], full=True) != entry["sha256"]:
+                raise ShardDamagedError(f"ShardedDataset: shard {path} does not match the SHA-256 in {self.root / MANIFEST}: "
+                                 "its content is damaged or it was swapped with another; re-run pack")
 
     def describe(self, index: int) -> str:
         record = self.index[index]
@@ -208,8 +262,18 @@ class ShardedDataset(LabelledDataset):
         size = os.fstat(handle).st_size
         if size != self.shard_bytes[shard]:
             os.close(handle)
-            raise ValueError(f"ShardedDataset: shard {path} has {size} bytes, the manifest "
+            raise ShardDamagedError(f"ShardedDataset: shard {path} has {size} bytes, the manifest "
                              f"{self.root / MANIFEST} says {int(self.shard_bytes[shard])}: the shard and index do not match")
+        expected = self.manifest["shards"][shard].get("fingerprint")
+        if shard not in self._checked and expected is not None:
+            digest = hashlib.sha256()
+            _hash_descriptor(digest, handle, path.name, full=False)
+            if digest.hexdigest() != expected:
+                os.close(handle)
+                raise ShardDamagedError(f"ShardedDataset: shard {path} does not match its fingerprint in "
+                                 f"{self.root / MANIFEST}: its content is damaged or it was swapped with another "
+                                 "shard of the same size; re-run pack")
+            self._checked.add(shard)
         self._handles[shard] = handle
         while len(self._handles) > self.max_open_shards:
             os.close(self._handles.popitem(last=False)[1])
@@ -309,12 +373,35 @@ def _open_index(root: Path, manifest: dict[str, Any], *, verify: bool) -> tuple[
                              f"{root / MANIFEST} needs {dtype} ({manifest['num_samples']},)")
         arrays.append(array)
     if index_fingerprint(root) != manifest["index_fingerprint"]:
-        raise ValueError(f"ShardedDataset: {root / INDEX_FILE} and {root / LABELS_FILE} do not match the "
+        raise ShardDamagedError(f"ShardedDataset: {root / INDEX_FILE} and {root / LABELS_FILE} do not match the "
                          f"fingerprint in {root / MANIFEST} (index from another pack?)")
     if verify and _hash_files([root / INDEX_FILE, root / LABELS_FILE], full=True) != manifest.get("index_sha256"):
-        raise ValueError(f"ShardedDataset: {root / INDEX_FILE} and {root / LABELS_FILE} do not match the "
+        raise ShardDamagedError(f"ShardedDataset: {root / INDEX_FILE} and {root / LABELS_FILE} do not match the "
                          f"SHA-256 in {root / MANIFEST}")
     index, labels = arrays
-    if labels.size and (int(labels[0]) < 0 or int(labels[-1]) >= len(manifest["classes"])):
-        raise ValueError(f"ShardedDataset: {root / LABELS_FILE} holds codes outside [0, {len(manifest['classes'])})")
+    _check_labels(root, labels, manifest)
     return index, labels
+
+
+def _check_labels(root: Path, labels: np.ndarray, manifest: dict[str, Any]) -> None:
+    """One pass over the labels in blocks: codes in range, class order (when contiguous) and counts as the manifest says."""
+    classes = len(manifest["classes"])
+    counts = np.zeros(classes, dtype=np.int64)
+    contiguous, previous = bool(manifest.get("class_contiguous")), None
+    for start in range(0, labels.size, _LABEL_BLOCK):
+        block = np.asarray(labels[start:start + _LABEL_BLOCK])
+        low, high = int(block.min()), int(block.max())
+        if low < 0 or high >= classes:
+            bad = int(np.flatnonzero((block < 0) | (block >= classes))[0])
+            raise ShardDamagedError(f"ShardedDataset: {root / LABELS_FILE} holds class code {int(block[bad])} at sample "
+                             f"{start + bad}, outside [0, {classes}) (damaged on disk? re-run pack)")
+        if contiguous and ((previous is not None and block[0] < previous) or np.any(block[1:] < block[:-1])):
+            raise ShardDamagedError(f"ShardedDataset: {root / LABELS_FILE} is not in class order near sample {start}, as "
+                             f"{root / MANIFEST} says it is (damaged on disk? re-run pack)")
+        previous = block[-1]
+        counts += np.bincount(block, minlength=classes)
+    expected = manifest.get("class_counts")
+    if expected is not None and counts.tolist() != list(expected):
+        first = int(np.flatnonzero(counts != np.asarray(expected, dtype=np.int64))[0])
+        raise ShardDamagedError(f"ShardedDataset: {root / LABELS_FILE} gives class {first} {int(counts[first])} samples, "
+                         f"{root / MANIFEST} says {int(expected[first])} (damaged on disk? re-run pack)")

@@ -26,6 +26,7 @@ from pksampler.files import atomic_write_text
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
 from .checkpoint import CheckpointError, check_training_checkpoint, count_non_finite, load_checkpoint, save_checkpoint, to_numpy
+from .datacheck import IndexDigestHook
 from .distributed import Backend
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
@@ -187,6 +188,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if hasattr(data.train, "bad_image_counts"):
         hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, log=log,
                                   is_main=is_main))
+    if callable(getattr(data.dataset, "verify", None)):  # shard sets: the full index digest, once per host
+        hooks.append(IndexDigestHook(data.dataset, backend))
     if getattr(parts.sampler, "negatives", None) == "hard":
         hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
                                       epochs=config.train.epochs))

@@ -224,20 +224,30 @@ def test_missing_and_mismatched_index_name_the_path(demo_shards, tmp_path):
         ShardedDataset(tmp_path / "absent")
 
 
-def test_corrupt_bytes_in_a_shard_are_replaced_and_counted(demo_shards, tmp_path):
-    root = tmp_path / "copy"
-    shutil.copytree(demo_shards, root)
+def test_corrupt_bytes_in_a_shard_are_replaced_and_counted(tmp_path):
+    # Noise PNGs (~12 KB each) fill one shard of several MiB: damage in its middle passes the shard's
+    # fingerprint (first and last MiB) and is found when the image is decoded.
+    rng = np.random.default_rng(0)
+    for index in range(320):
+        path = tmp_path / "src" / f"c{index // 160}" / f"{index:03d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, size=(64, 64, 3), dtype=np.uint8)).save(path)
+    root = tmp_path / "shards"
+    pack(tmp_path / "src", root, shard_size="64MB")
     dataset = ShardedDataset(root, on_bad="raise")
-    record = dataset.index[5]
+    middle = (dataset.shard_bytes[0] // 2)
+    sample = int(np.searchsorted(dataset.index["offset"], middle))
+    record = dataset.index[sample]
+    assert 2**20 < int(record["offset"]) < dataset.shard_bytes[0] - 2**20
     with open(root / "shard-000000.tar", "r+b") as handle:  # same size: the manifest still matches
         handle.seek(int(record["offset"]))
         handle.write(b"\0" * int(record["size"]))
-    with pytest.raises(ImageLoadError, match=r"shard-000000.tar@\d+\+\d+ \(sample 5\)"):
-        dataset[5]
+    with pytest.raises(ImageLoadError, match=rf"shard-000000.tar@\d+\+\d+ \(sample {sample}\)"):
+        dataset[sample]
     replacing = ShardedDataset(root)
-    subset = LabelledSubset(replacing, np.arange(16))
-    image, label = subset[5]
-    assert label == 0 and image.size == (48, 48)
+    subset = LabelledSubset(replacing, np.arange(sample - 2, sample + 3))
+    image, label = subset[2]
+    assert label == int(replacing.labels[sample]) and image.size == (64, 64)
     assert subset.bad_image_counts() == (1, 1)
 
 
