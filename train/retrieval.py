@@ -85,9 +85,17 @@ def _report_unexpected(error: BaseException) -> int:
     return 1
 
 
+def _last_line(error: BaseException) -> str:
+    """The message itself, also when a DataLoader worker wrapped it with the worker's traceback."""
+    line = str(error).strip().splitlines()[-1]
+    name = f"{type(error).__module__}.{type(error).__name__}: "
+    return line[len(name):] if line.startswith(name) else line
+
+
 def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     """Parse arguments, load the config, train; returns the exit status (2: config or data error)."""
     args = parse_args(argv)
+    from pksampler.datasets import ShardDamagedError
     from pksampler.samplers import SamplerMismatchError
     from pksampler.train.config import ConfigError, load_config
     from pksampler.train.distributed import CollectiveTimeout
@@ -111,6 +119,10 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
         # The rank that stopped may be rank 0: every rank that waited says so itself.
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
+    except ShardDamagedError as error:
+        # Found by the rank that read the shard (any rank): one line naming the file, no traceback.
+        print(f"error: rank {_rank()}: {_last_line(error)}", file=sys.stderr, flush=True)
+        return 2
     except Exception as error:  # noqa: BLE001 - shown once, then a non-zero exit
         return _report_unexpected(error)
     if result.final_metrics:
