@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import io
 import os
+import re
 from pathlib import Path
 from typing import Callable
 
@@ -67,7 +69,8 @@ class ListFileDataset(ImageFileDataset):
             raw_labels.append(label)
         if not paths:
             raise ValueError(f"ListFileDataset(list_file=) lists no images: {self.list_file}")
-        as_int = all(_is_int(v) for v in raw_labels)
+        # Integers only when every label is written canonically: "010", "1_0" and "10" stay three classes.
+        as_int = all(_CANONICAL_INT.fullmatch(v) for v in raw_labels)
         values = np.asarray([int(v) for v in raw_labels]) if as_int else np.asarray(raw_labels)
         classes, codes = np.unique(values, return_inverse=True)
         self.paths = paths
@@ -75,6 +78,19 @@ class ListFileDataset(ImageFileDataset):
         self.classes = [str(c) for c in classes]
         if skip_bad:
             self._drop_unreadable(f"listed in {self.list_file}")
+
+
+_CANONICAL_INT = re.compile(r"-?(?:0|[1-9][0-9]*)")
+#: characters a path or label may not hold: a newline inside quotes would silently make another path
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def _check_field(list_file: Path, number: int, what: str, text: str) -> None:
+    """Refuse control characters (NUL, newline, tab...) in a path or label, naming the file and line."""
+    found = _CONTROL.search(text)
+    if found:
+        raise ValueError(f"{list_file}:{number}: the {what} {text[:80]!r} holds the control character "
+                         f"{found.group()!r}; paths and labels must be single-line text without NUL")
 
 
 def _is_int(text: str) -> bool:
@@ -108,11 +124,20 @@ def _read_rows(list_file: Path) -> list[tuple[int, str, str]]:
             parts = line.split()
             if len(parts) != 4:
                 raise ValueError(f"{list_file}:{number}: expected 'image_id class_id super_class_id path', got {line!r}")
+            _check_field(list_file, number, "path", parts[3])
             rows.append((number, parts[3], parts[1]))
         return rows
     delimiter = "\t" if "\t" in first else ","
     rows = []
-    for number, record in enumerate(csv.reader(lines, delimiter=delimiter), start=1):
+    reader = csv.reader(io.StringIO("\n".join(lines)), delimiter=delimiter)
+    while True:
+        try:
+            record = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as error:  # e.g. a field over the csv module's size limit
+            raise ValueError(f"{list_file}:{reader.line_num}: not a readable CSV/TSV row ({error})") from None
+        number = reader.line_num
         if not record or not "".join(record).strip():
             continue
         if len(record) != 2:
@@ -122,5 +147,7 @@ def _read_rows(list_file: Path) -> list[tuple[int, str, str]]:
             continue  # header
         if not path or not label:
             raise ValueError(f"{list_file}:{number}: empty path or label in {record!r}")
+        _check_field(list_file, number, "path", path)
+        _check_field(list_file, number, "label", label)
         rows.append((number, path, label))
     return rows
