@@ -41,6 +41,7 @@ through :mod:`pksampler.files`.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import io
 import json
@@ -58,7 +59,7 @@ from PIL import Image
 
 from pksampler.files import atomic_write_text, atomic_writer, remove_stale_temporaries
 
-from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb, read_regular
+from ._image import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ImageLoadError, load_rgb, read_regular
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
 from .sharded import FORMAT_VERSION, INDEX_DTYPE, MANIFEST, shard_digests, shard_name, write_index
@@ -133,12 +134,29 @@ def _list_source(source: Path, root: Path | None) -> tuple[list[str], np.ndarray
     return [dataset.paths[i] for i in order.tolist()], dataset.labels[order], list(dataset.classes)
 
 
+#: tar member extensions by Pillow format, for files whose own extension is not an image extension
+_FORMAT_EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "BMP": "bmp", "GIF": "gif", "WEBP": "webp", "TIFF": "tif",
+                      "PPM": "ppm"}
+
+
+def _extension(path: str, source_format: str) -> str:
+    """The stored member's extension: the file's own if it is an image extension, else the decoded format's.
+
+    ``x.cls`` would collide with the label member ``<key>.cls`` and a 120-character
+    extension would not fit a tar header, so neither is ever used.
+    """
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix in IMAGE_EXTENSIONS:
+        return suffix.lstrip(".")
+    return _FORMAT_EXTENSIONS.get(source_format, "img")
+
+
 def _encode(path: str, data: bytes, max_side: int | None, max_pixels: int) -> tuple[bytes, str]:
     """Check that ``data`` decodes; return the bytes to store and their extension."""
     image = load_rgb(data, name=path, max_pixels=max_pixels)
     with Image.open(io.BytesIO(data)) as original:
         source_format = original.format or ""
-    extension = os.path.splitext(path)[1].lower().lstrip(".") or source_format.lower()
+    extension = _extension(path, source_format)
     if max_side is None or max(image.size) <= max_side:
         return data, extension
     image.thumbnail((max_side, max_side), Image.LANCZOS)
@@ -209,6 +227,34 @@ def _plan_digest(paths: Sequence[str], labels: np.ndarray, sizes: np.ndarray, st
     return digest.hexdigest()
 
 
+class _PackLock:
+    """An exclusive ``flock`` on ``OUT/.pack/lock`` for one pack at a time (released by the kernel on death)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.handle = path, None
+
+    def __enter__(self) -> "_PackLock":
+        handle = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ValueError(f"pack: {self.path.parent.parent} is being written by another pack ({holder}); "
+                             "wait for it to finish or choose another OUT folder") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        fcntl.flock(self.handle.fileno(), fcntl.LOCK_UN)
+        self.handle.close()
+
+
 class _Progress:
     """tqdm on a terminal, otherwise a plain line every ``interval`` seconds."""
 
@@ -270,11 +316,20 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, root: str | os.Pa
     options = {"shard_size": shard_bytes, "max_side": max_side, "max_pixels": max_pixels}
     digest = _plan_digest(paths, labels, sizes, starts, options)
     work = out / _WORK
+    work.mkdir(parents=True, exist_ok=True)
+    with _PackLock(work / "lock"):
+        return _pack_locked(source, out, work, paths, labels, classes, sizes, starts, digest, options, workers)
+
+
+def _pack_locked(source: Path, out: Path, work: Path, paths: list[str], labels: np.ndarray, classes: list[str],
+                 sizes: np.ndarray, starts: np.ndarray, digest: str, options: dict[str, Any],
+                 workers: int) -> dict[str, Any]:
+    """The part of :func:`pack` that writes, under the folder's lock."""
+    max_side, max_pixels = options["max_side"], options["max_pixels"]
     plan_file = work / "plan.json"
     if plan_file.is_file() and json.loads(plan_file.read_text())["plan_sha256"] != digest:
         raise ValueError(f"pack: {out} holds a pack of another source or other options ({plan_file} differs); "
                          f"use an empty OUT folder or delete {out}")
-    work.mkdir(parents=True, exist_ok=True)
     for folder in (out, work):
         remove_stale_temporaries(folder)
     atomic_write_text(plan_file, json.dumps({"plan_sha256": digest, "shards": len(starts) - 1, **options}))
@@ -289,6 +344,11 @@ def pack(source: str | os.PathLike, out: str | os.PathLike, *, root: str | os.Pa
     finally:
         progress.close()
     return _assemble(out, num_shards, labels, classes, source, options)
+
+
+def _tsv(text: str) -> str:
+    """One TSV field: backslash, tab, newline and carriage return escaped as \\\\, \\t, \\n, \\r."""
+    return text.replace("\\", "\\\\").replace("\t", "\\t").replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _assemble(out: Path, num_shards: int, labels: np.ndarray, classes: list[str], source: Path,
@@ -306,7 +366,7 @@ def _assemble(out: Path, num_shards: int, labels: np.ndarray, classes: list[str]
         bad.extend(sidecar["bad"])
     index = np.concatenate([p for p, _ in parts]) if parts else np.empty(0, INDEX_DTYPE)
     packed_labels = np.concatenate([lab for _, lab in parts]) if parts else np.empty(0, np.int64)
-    atomic_write_text(out / "skipped.tsv", "".join(f"{p}\t{r}\n" for p, r in bad))
+    atomic_write_text(out / "skipped.tsv", "".join(f"{_tsv(p)}\t{_tsv(r)}\n" for p, r in bad))
     if bad:
         print(f"pack: left out {len(bad)} unreadable image(s); paths and reasons in {out / 'skipped.tsv'}",
               file=sys.stderr)
