@@ -43,10 +43,11 @@ def _source_of(labels: Any, owner: str) -> Any:
     if _is_array_like(labels):
         return labels
     for attribute in ("labels", "targets"):
-        if hasattr(labels, attribute):
-            return getattr(labels, attribute)
+        value = getattr(labels, attribute, None)
+        if value is not None:  # labels=None next to valid targets: the targets hold the labels
+            return value
     raise TypeError(
-        f"{owner}(labels=) got a {type(labels).__name__} without a .labels or .targets attribute; "
+        f"{owner}(labels=) got a {type(labels).__name__} without a .labels or .targets attribute (or both None); "
         "the sampler never loads samples to read their labels: pass labels= as an array or list "
         "with one class label per sample (or give the dataset a .labels attribute)"
     )
@@ -77,6 +78,11 @@ def _check_floats(array: np.ndarray, owner: str) -> np.ndarray:
     return array.astype(np.int64)
 
 
+def _python_ints(values: Any) -> bool:
+    """True when every value is a Python (or numpy) integer, not a bool or a float."""
+    return all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values)
+
+
 def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
     """Return a 1-D numpy array of labels from an array, a sequence, a tensor or a dataset.
 
@@ -89,8 +95,12 @@ def extract_labels(labels: Any, *, owner: str) -> np.ndarray:
 
     try:
         array = as_numpy(source, name=f"{owner}(labels=)", kinds=None, contiguous=False)
+    except OverflowError:  # Python integers beyond 64 bits of either sign: keep them exact
+        array = np.array(source, dtype=object)
     except (TypeError, ValueError) as error:
         raise TypeError(f"{owner}(labels=) could not be read as an array of labels: {error}") from None
+    if array.dtype.kind == "f" and isinstance(source, (list, tuple)) and _python_ints(source):
+        array = np.array(source, dtype=object)  # numpy made floats of integers >= 2**63 next to negatives
     if array.ndim != 1:
         raise ValueError(
             f"{owner}(labels=) must be 1-D (one label per sample), got an array of shape {array.shape}"
