@@ -86,7 +86,7 @@ def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None,
 
 
 def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any) -> StepParts:
-    global_batch = sampler.batch_size * backend.size
+    global_batch = sampler.global_batch_size  # per-rank sizes differ when W does not divide G
     if config.model.norm == "sync_batch" and not backend.setup.is_cuda:
         raise ConfigError("model.norm: 'sync_batch' needs GPUs (Horovod's and torch's SyncBatchNorm refuse CPU "
                           f"tensors; this run is on {backend.device}); use 'group' or 'batch' on the CPU")
