@@ -33,11 +33,13 @@ __all__ = [
     "allreduce_mean",
     "barrier",
     "broadcast_object",
+    "drop_padding",
     "initialised_horovod",
     "initialised_torch_distributed",
     "is_main_process",
     "launcher_world",
     "local_rank",
+    "pad_rows",
     "world_info",
 ]
 
@@ -139,10 +141,7 @@ def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int
     if len(sizes) != dist.get_world_size() or sizes[dist.get_rank()] != tensor.shape[0]:
         raise ValueError(f"all_gather(sizes=) must list every rank's first dimension ({dist.get_world_size()} "
                          f"values, this rank's = {tensor.shape[0]}), got {sizes}")
-    longest = max(sizes)
-    padded = tensor.contiguous()
-    if tensor.shape[0] < longest:
-        padded = torch.cat([padded, padded.new_zeros((longest - tensor.shape[0], *tensor.shape[1:]))])
+    padded = pad_rows(tensor.contiguous(), max(sizes))
     if tensor.requires_grad:
         from torch.distributed import _functional_collectives as functional
 
@@ -152,6 +151,19 @@ def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int
         parts = [torch.empty_like(padded) for _ in sizes]
         dist.all_gather(parts, padded)
         gathered = torch.cat(parts, dim=0)
+    return drop_padding(gathered, sizes)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``rows`` (differentiable; the padding gets no gradient)."""
+    if tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
+
+
+def drop_padding(gathered: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The real rows of an all-gather of tensors padded to ``max(sizes)`` rows: rank r's first ``sizes[r]``."""
+    longest = max(sizes)
     if min(sizes) == longest:
         return gathered
     rows = torch.cat([torch.arange(n) + rank * longest for rank, n in enumerate(sizes)]).to(gathered.device)
