@@ -1,7 +1,7 @@
 """Assemble a training run from its config, in the Horovod order, once.
 
 1. threads and seed; rank 0 takes the workspace (lock, folders, stale temporaries);
-2. data and the sampler (P = G / W), failures raised together on every rank;
+2. data and the sampler (P = G / W, or its ceil/floor), failures raised together on every rank;
 3. every rank's config and labels compared (a mismatch fails fast, named);
 4. model on the rank's device, optimizer (lr scaled with the global batch),
    wrapped for allreduce before any state is loaded, schedule, loss;
