@@ -3,6 +3,9 @@
 The samplers take rank and world size as plain numbers; when the caller
 passes ``None`` they are looked up once, through the project's one
 communication module, which never imports a runtime itself.
+
+Also here: how a global step's G items (classes or triplets) are split over
+W ranks, as evenly as possible, for any W from 1 to G (:func:`rank_share`).
 """
 
 from __future__ import annotations
