@@ -29,7 +29,6 @@ from .distributed import Backend
 from .metrics import evaluate_retrieval
 from .render import save_gallery_png
 from .rules import ConfigError
-from .workspace import EventLog
 
 __all__ = ["HeldOutEvaluator", "embed"]
 
@@ -101,16 +100,16 @@ def _flagged_on_any_rank(backend: Backend, flags: np.ndarray) -> np.ndarray:
 
 
 class HeldOutEvaluator:
-    """Recall@K, MAP@R etc. on held-out classes, a result gallery PNG and a log record per call.
+    """Recall@K, MAP@R etc. on held-out classes and a result gallery PNG per call (the hook records them).
 
     Unreadable held-out images are left out and counted (``num_unreadable``);
     more than ``max_bad_fraction`` of them is a ConfigError on every rank.
     """
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
-                 galleries: Path, gallery_queries: int, log: EventLog, max_bad_fraction: float = 0.001) -> None:
+                 galleries: Path, gallery_queries: int, max_bad_fraction: float = 0.001) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
-        self.galleries, self.gallery_queries, self.log = galleries, gallery_queries, log
+        self.galleries, self.gallery_queries = galleries, gallery_queries
         self.max_bad_fraction = max_bad_fraction
         self.last_gallery: Path | None = None
 
@@ -136,7 +135,6 @@ class HeldOutEvaluator:
         queries = np.unique(np.linspace(0, len(labels) - 1, num=min(self.gallery_queries, len(labels))).astype(int))
         result = evaluate_retrieval(embeddings, labels, ks=(1, 5, 10), neighbour_rows=queries, num_neighbours=5)
         metrics = {**result.metrics, "num_unreadable": int(len(self.test_set) - keep.size)}
-        self.log.write(type="eval", epoch=epoch, global_step=global_step, **metrics)
         print(f"[pksampler] epoch {epoch}: " + " ".join(
             f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float)), flush=True)
         self.last_gallery = self._gallery(epoch, queries, result, metrics, keep)

@@ -19,7 +19,8 @@ from pksampler.comm import launcher_world
 
 from .rules import ConfigError
 
-__all__ = ["PLATFORM_VARIABLES", "apply_environment", "load_yaml", "parse_override", "set_path"]
+__all__ = ["apply_environment", "load_yaml", "parse_override", "set_path"]
+
 
 class _Loader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that also reads ``1e-3`` as a number (YAML 1.2; YAML 1.1 wants ``1.0e-3``)."""
@@ -35,9 +36,6 @@ _Loader.add_implicit_resolver(
 def load_yaml(stream: Any) -> Any:
     """``yaml.safe_load`` with YAML 1.2 exponent floats (``1e-3``); nothing read executes code."""
     return yaml.load(stream, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
-
-
-PLATFORM_VARIABLES = ("DATASETS_PATH", "DATASETS", "WORKSPACE", "EPOCHS", "LR", "BATCH_SIZE", "WORKER_PER_NODE")
 
 
 def set_path(tree: dict, dotted: str, value: Any) -> None:

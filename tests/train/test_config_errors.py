@@ -17,7 +17,7 @@ from pksampler.train.builders import build_data
 from pksampler.train.checkpoint import CheckpointError
 from pksampler.train.config import ConfigError, load_config
 from pksampler.train.distributed import Backend
-from pksampler.train.trainer import train
+from pksampler.train.run_setup import train
 
 TINY = [
     "seed=3", "data.args={num_classes: 24, images_per_class: 6, image_size: 32}", "data.image_size=24",
@@ -106,7 +106,8 @@ def test_a_checkpoint_whose_contents_do_not_fit_the_run_is_one_error(tmp_path):
     train(tiny(tmp_path, "train.max_steps=1"), Backend())
     path = tmp_path / "run" / "checkpoints" / "last.pt"
     state = torch.load(path, weights_only=True)
-    state["state"]["no_such_field"] = 1
+    first = next(iter(state["model"]))
+    state["model"][first] = torch.zeros(3)  # a tensor of another shape
     plant(path, state)
-    with pytest.raises(CheckpointError, match=rf"checkpoint {path} does not fit this run \(TypeError: .*no_such_field"):
+    with pytest.raises(CheckpointError, match=rf"checkpoint {path} does not fit this run \(RuntimeError: .*{first}"):
         train(tiny(tmp_path, "train.max_steps=2"), Backend())

@@ -14,7 +14,8 @@ from pksampler.train.checkpoint import CheckpointError, load_checkpoint
 from pksampler.train.config import ConfigError, load_config
 from pksampler.train.distributed import Backend
 from pksampler.train.hooks import HookBase
-from pksampler.train.trainer import TrainingDiverged, train
+from pksampler.train.run_setup import train
+from pksampler.train.trainer import TrainingDiverged
 from pksampler.train.workspace import EventLog
 
 TINY = [

@@ -15,8 +15,7 @@ from pksampler.train.config import ConfigError, load_config
 from pksampler.train.distributed import Backend
 from pksampler.train.heldout import HeldOutEvaluator, embed
 from pksampler.train.metrics import evaluate_retrieval
-from pksampler.train.trainer import train
-from pksampler.train.workspace import EventLog
+from pksampler.train.run_setup import train
 
 GARBAGE = b"garbage"  # 7 bytes that no decoder accepts
 
@@ -39,7 +38,7 @@ def write_classes(root: Path, classes: int, per_class: int, *, bad: callable = l
 
 def evaluator(tmp_path: Path, dataset, test: LabelledSubset, model, **kwargs) -> HeldOutEvaluator:
     return HeldOutEvaluator(model, dataset, test, Backend(), galleries=tmp_path / "galleries", gallery_queries=3,
-                            log=EventLog(tmp_path / "metrics.jsonl", True), **kwargs)
+                            **kwargs)
 
 
 def projection() -> torch.nn.Module:
@@ -62,8 +61,6 @@ def test_unreadable_held_out_images_are_left_out_and_counted_not_duplicated(tmp_
     assert metrics["num_unreadable"] == 24 and metrics["num_queries"] == 24
     for key in ("recall_at_1", "recall_at_5", "map_at_r", "precision_at_1"):
         assert metrics[key] == pytest.approx(expected[key]), key
-    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert record["type"] == "eval" and record["num_unreadable"] == 24
     assert (tmp_path / "galleries" / "epoch_001.png").is_file()
 
 
@@ -90,3 +87,6 @@ def test_a_run_with_an_unreadable_first_image_in_every_class_evaluates_and_finis
     assert result.final_metrics["num_unreadable"] == test_classes
     assert result.final_metrics["num_queries"] == 5 * test_classes
     assert (tmp_path / "run" / "checkpoints" / "last.pt").is_file()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "num_unreadable" in r]
+    assert evals and evals[-1]["num_unreadable"] == test_classes
