@@ -90,3 +90,31 @@ def test_a_run_with_an_unreadable_first_image_in_every_class_evaluates_and_finis
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "num_unreadable" in r]
     assert evals and evals[-1]["num_unreadable"] == test_classes
+
+
+class RecordingBackend:
+    """Stands in for W ranks in one process: the first pass records each rank's row, the second gathers them."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.rows, self.gather = size, [], False
+
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
+        if not self.gather:
+            self.rows.append(row.copy())
+            return row[None]
+        return np.stack(self.rows)
+
+
+def test_unreadable_flags_of_every_rank_are_combined():
+    from pksampler.train.heldout import _flagged_on_any_rank
+
+    rng = np.random.default_rng(0)
+    count, world = 77, 3
+    owned = [np.arange(count) % world == r for r in range(world)]  # embed's strided shares
+    truth = rng.random(count) < 0.2
+    backend = RecordingBackend(world)
+    for r in range(world):
+        _flagged_on_any_rank(backend, truth & owned[r])
+    backend.gather = True
+    for r in range(world):
+        np.testing.assert_array_equal(_flagged_on_any_rank(backend, truth & owned[r]), truth)
