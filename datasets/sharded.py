@@ -123,7 +123,12 @@ def write_index(root: str | os.PathLike, index: np.ndarray, labels: np.ndarray, 
     """
     root = Path(root)
     index = np.asarray(index, dtype=INDEX_DTYPE)
-    labels = np.asarray(labels, dtype=np.int64)
+    raw = np.asarray(labels)
+    if raw.dtype.kind not in "iu" or (raw.size and (raw.min() < 0 or raw.max() >= len(classes))):
+        low, high = (raw.min(), raw.max()) if raw.size and raw.dtype.kind in "iuf" else (None, None)
+        raise ValueError(f"write_index(labels=) must be integer class codes in [0, {len(classes)}) (one per class "
+                         f"name), got dtype {raw.dtype} with range [{low}, {high}]")
+    labels = raw.astype(np.int64)
     if index.shape != labels.shape or index.ndim != 1:
         raise ValueError(f"write_index: index shape {index.shape} and labels shape {labels.shape} must be equal and 1-D")
     for name, array in ((INDEX_FILE, index), (LABELS_FILE, labels)):

@@ -142,3 +142,10 @@ def test_the_trainer_finds_rot_in_the_middle_of_the_index_in_the_background(tmp_
     with pytest.raises(ConfigError, match=rf"data.root: the shard set's index does not match its manifest: "
                                           rf"ShardedDataset: {tmp_path / 'index.npy'} and .* do not match the SHA-256"):
         hook.after_epoch()
+
+
+@pytest.mark.parametrize("labels", [np.array([2**63, 1], dtype=np.uint64), np.array([-1, 0]), np.array([0.0, 1.0])])
+def test_write_index_refuses_labels_that_are_not_class_codes(tmp_path, labels):
+    with pytest.raises(ValueError, match=r"write_index\(labels=\) must be integer class codes in \[0, 2\)"):
+        write_index(tmp_path, np.zeros(2, dtype=INDEX_DTYPE), labels, classes=["a", "b"], shards=[])
+    assert not (tmp_path / "manifest.json").exists()
