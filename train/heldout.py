@@ -61,10 +61,13 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
 class _FlagUnreadable(Dataset):
     """Held-out items loaded with ``on_bad="raise"``: an unreadable one gives a blank image and sets its flag.
 
-    The flags live in shared memory, so DataLoader workers set them too.
+    The flags live in shared memory, so DataLoader workers set them too. Each
+    unreadable item is named on stderr once per process (``reported`` is kept
+    across evaluations).
     """
 
-    def __init__(self, test_set: LabelledSubset) -> None:
+    def __init__(self, test_set: LabelledSubset, reported: set[int]) -> None:
+        self.reported = reported
         parent = getattr(test_set, "dataset", test_set)
         indices = getattr(test_set, "indices", np.arange(len(test_set)))
         self.items = LabelledSubset(parent, indices, transform=test_set.transform, on_bad="raise")
@@ -79,7 +82,8 @@ class _FlagUnreadable(Dataset):
         try:
             return self.items[index]
         except ImageLoadError as error:
-            if not self.unreadable[index]:
+            if index not in self.reported:
+                self.reported.add(index)
                 print(f"pksampler: held-out image left out of the evaluation: {error}", file=sys.stderr, flush=True)
             self.unreadable[index] = True
             blank = apply_transform(self.items.transform, Image.new("RGB", (64, 64)),
@@ -111,11 +115,12 @@ class HeldOutEvaluator:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
         self.galleries, self.gallery_queries = galleries, gallery_queries
         self.max_bad_fraction = max_bad_fraction
+        self._reported: set[int] = set()
         self.last_gallery: Path | None = None
 
     def _readable_embeddings(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Embeddings of the readable held-out items and their positions; unreadable ones counted and checked."""
-        flagged = _FlagUnreadable(self.test_set)
+        flagged = _FlagUnreadable(self.test_set, self._reported)
         embeddings = embed(self.model, flagged, self.backend)
         unreadable = _flagged_on_any_rank(self.backend, flagged.unreadable.numpy())
         bad, total = int(unreadable.sum()), int(unreadable.size)
