@@ -27,6 +27,7 @@ from .agreement import check_ranks_agree, check_resume_compatible, raise_togethe
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
 from .checkpoint import load_checkpoint, save_checkpoint, to_numpy
 from .distributed import Backend
+from .finetune import FreezeBackboneHook
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
     BadImageHook,
@@ -43,6 +44,7 @@ from .losses import build_loss
 from .memory import build_memory
 from .model import build_model
 from .plots import save_curves_png
+from .pretrained import load_pretrained
 from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
@@ -91,7 +93,7 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         raise ConfigError("model.norm: 'sync_batch' needs GPUs (Horovod's and torch's SyncBatchNorm refuse CPU "
                           f"tensors; this run is on {backend.device}); use 'group' or 'batch' on the CPU")
     norm_class = backend.sync_batch_norm() if config.model.norm == "sync_batch" else None
-    model = backend.setup.prepare_model(build_model(config.model, norm_class))
+    model = backend.setup.prepare_model(build_model(config.model, norm_class, image_size=config.data.image_size))
     try:
         memory = build_memory(config.loss.memory, device=backend.device)
         loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
@@ -99,7 +101,8 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         raise ConfigError(str(error)) from None
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
-    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters())
+    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
+                                freeze_backbone_steps=config.model.freeze_backbone_steps)
     # Wrap before loading any state: Horovod's DistributedOptimizer is a new
     # optimizer built from the param groups and does not carry state over.
     train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
@@ -184,6 +187,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if getattr(parts.sampler, "negatives", None) == "hard":
         hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
                                       epochs=config.train.epochs))
+    if config.model.freeze_backbone_steps:
+        hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     hooks.append(CheckpointHook(save, every=config.train.checkpoint_every, max_steps=config.train.max_steps))
     return hooks
 
@@ -224,6 +229,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         saved = _load_resume_state(config, backend)
         if saved is not None:
             _restore(trainer, saved)
+        elif config.model.pretrained:
+            load_pretrained(parts.model, config.model.pretrained, backend, name=config.model.backbone)
         backend.broadcast_state(parts.model, parts.optimizer)
     except BaseException:
         if lock is not None:
