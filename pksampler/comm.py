@@ -35,7 +35,6 @@ __all__ = [
     "broadcast_object",
     "initialised_horovod",
     "initialised_torch_distributed",
-    "is_main_process",
     "launcher_world",
     "local_rank",
     "world_info",
@@ -108,11 +107,6 @@ def local_rank() -> int:
         return int(hvd.local_rank())
     found = launcher_world()
     return found[2] if found is not None else 0
-
-
-def is_main_process() -> bool:
-    """True on rank 0 (the one that logs and writes)."""
-    return world_info()[0] == 0
 
 
 def all_gather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -70,6 +70,11 @@ class _TripletPlan(StepPlanSampler):
     def triplets_per_step(self) -> int:
         return self.num_replicas * self.triplets_per_batch
 
+    @property
+    def needs_class_neighbours(self) -> bool:
+        """True when the plan draws hard negatives, so a trainer should mine tables for it."""
+        return self.negatives == "hard"
+
     def _plan_identity(self) -> dict[str, Any]:
         return {
             "labels_fingerprint": self.index.fingerprint,
@@ -110,51 +115,6 @@ class _TripletPlan(StepPlanSampler):
         self._tables = [t for t in self._tables if t[0] <= self.epoch][-1:] + [(self.epoch + 1, table)]
         return table
 
-    def update_class_neighbours(self, embeddings: Any, labels: Any, *,
-                                broadcast: Callable[[Any], Any] | None = None) -> np.ndarray:
-        """Mine the hard-negative table from current embeddings on rank 0 and give it to every rank.
-
-        A convenience over :meth:`set_class_neighbours`: rank 0 maps ``labels``
-        to class codes and calls :func:`pksampler.train.mining.class_neighbours`
-        (faiss k-NN of class centroids); ``broadcast`` (default
-        :func:`pksampler.comm.broadcast_object`: Horovod, torch.distributed or
-        one process) sends the table to every rank. Every rank must call this
-        together. The table applies from the next epoch.
-        """
-        owner = f"{self._owner}.update_class_neighbours"
-        if broadcast is None:
-            from pksampler.comm import broadcast_object
-
-            def broadcast(value: Any) -> Any:
-                return broadcast_object(value, 0, name="pksampler.class_neighbours")
-
-        table = self._mine(embeddings, labels, owner) if self.rank == 0 else None
-        table = broadcast(table)
-        if table is None:
-            raise RuntimeError(f"{owner}: no table was received from rank 0")
-        return self.set_class_neighbours(table)
-
-    def _mine(self, embeddings: Any, labels: Any, owner: str) -> np.ndarray:
-        from pksampler.train.mining import class_neighbours
-
-        from pksampler.arrays import as_numpy
-
-        labels = as_numpy(labels, name=f"{owner}(labels=)", kinds=None, contiguous=False)
-        rows = np.shape(embeddings)[0] if np.ndim(embeddings) >= 1 else 0
-        if labels.shape != (rows,):
-            raise ValueError(f"{owner}(labels=) must have shape ({rows},), one label per embedding row, got {labels.shape}")
-        codes, known = self.index.codes_of(labels)
-        if not known.all():
-            unknown = labels[~known][:3].tolist()
-            raise ValueError(
-                f"{owner}(labels=) has labels the sampler does not know, e.g. {unknown}: "
-                "the class-neighbour table must come from the sampler's labels"
-            )
-        try:
-            return class_neighbours(embeddings, codes, self.index.num_classes, self.hard_classes)
-        except ValueError as error:
-            raise ValueError(f"{owner}: {error}") from None
-
     def _rank_steps(self, epoch: int, start: int, stop: int) -> np.ndarray:
         hard = self.negatives == "hard"
         triples = triplet_batches(
@@ -194,7 +154,7 @@ class DistributedTripletSampler(_TripletPlan, Sampler[int]):
     epoch; its positive is another sample of its class; its negative is from
     another class, at random or (``negatives="hard"``) with probability
     ``hard_fraction`` from the anchor class's nearest classes under the
-    current model (see :meth:`update_class_neighbours`). Global steps of
+    current model (a table given with :meth:`set_class_neighbours`). Global steps of
     ``num_replicas * triplets_per_batch`` triplets are split by rank; the plan
     does not depend on the world size. See :mod:`pksampler.samplers.triplet_plan`.
 
@@ -220,8 +180,7 @@ class DistributedTripletSampler(_TripletPlan, Sampler[int]):
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             train_one_epoch(DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size))
-            sampler.update_class_neighbours(embed(train_set), train_set.labels)
-            # or, mining elsewhere: sampler.set_class_neighbours(table)
+            sampler.set_class_neighbours(table)  # e.g. from pksampler.train.mining
     """
 
     def __iter__(self) -> Iterator[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 import torch
@@ -29,7 +29,9 @@ from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripl
 
 from .finetune import parameter_groups
 from .rules import ConfigError
-from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
+
+if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
+    from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
 
 __all__ = [
     "DATA_SOURCES",

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from .rules import ConfigError
-from .hooks import HookBase
+from .trainer import HookBase
 
 __all__ = ["FreezeBackboneHook", "backbone_parameters", "parameter_groups"]
 
