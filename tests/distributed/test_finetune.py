@@ -9,7 +9,7 @@ from launch import ROOT, launch
 from pksampler.train.config import load_config
 from pksampler.train.distributed import Backend
 from pksampler.train.resnet import resnet
-from pksampler.train.trainer import train
+from pksampler.train.run_setup import train
 
 pytestmark = pytest.mark.horovod
 

@@ -209,7 +209,7 @@ def test_model_norm_sets_the_resnets_normalisation(norm):
 
 def test_a_pretrained_file_reaches_the_model_through_the_trainer(tmp_path):
     from pksampler.train.checkpoint import load_checkpoint
-    from pksampler.train.trainer import train
+    from pksampler.train.run_setup import train
 
     state = _randomised(_timm("resnet18"), seed=6).state_dict()
     path = tmp_path / "resnet18.safetensors"

@@ -14,7 +14,7 @@ from pksampler.train.distributed import Backend
 from pksampler.train.finetune import FreezeBackboneHook
 from pksampler.train.frozen_norm import FrozenBatchNorm2d
 from pksampler.train.model import build_model
-from pksampler.train.trainer import train
+from pksampler.train.run_setup import train
 
 TINY = [
     "seed=3",
