@@ -156,3 +156,24 @@ def test_fine_tuning_options_survive_resume_and_match_an_uninterrupted_run(tmp_p
     groups = final["optimizer"]["param_groups"]
     assert groups == whole["optimizer"]["param_groups"]
     assert groups[1]["lr"] == pytest.approx(0.5 * groups[0]["lr"]) and groups[1]["lr"] > 0
+
+
+def test_the_readme_fine_tuning_snippet_is_a_valid_config(tmp_path):
+    import re
+
+    import yaml
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if "backbone: resnet50" in b)
+    tree = yaml.safe_load(snippet)
+    weights = tmp_path / "resnet50.pth"
+    tree["model"]["pretrained"] = str(weights)
+    path = tmp_path / "finetune.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    config = load_config(path, environ={})
+    assert config.model.backbone == "resnet50" and config.optim.backbone_lr_scale == 0.1
+    model = build_model(config.model, image_size=config.data.image_size)
+    assert isinstance(model.backbone.bn1, FrozenBatchNorm2d)
+    groups = build_optimizer(config.optim, model, global_batch=64,
+                             freeze_backbone_steps=config.model.freeze_backbone_steps).param_groups
+    assert [g["name"] for g in groups] == ["head", "backbone"]
