@@ -237,7 +237,7 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
     name = config.backbone
     if name.startswith("torchvision:"):
         if config.pooling != "avg":
-            raise ValueError(f"model.pooling={config.pooling!r} applies to our own backbones only; "
+            raise ConfigError(f"model.pooling={config.pooling!r} applies to our own backbones only; "
                              f"torchvision backbones pool with their own layer (use 'avg')")
         model: nn.Module = TorchvisionEmbedding(name.split(":", 1)[1], config.embedding_dim, config.neck)
     elif name == DEMO:
@@ -253,7 +253,7 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
         model = BackboneEmbedding(trunk, config.embedding_dim, pooling=config.pooling, neck=config.neck,
                                   sync_batch_norm=sync_batch_norm)
     else:
-        raise ValueError(f"model.backbone must be one of {list(BACKBONES)} or 'torchvision:<name>', got {name!r}")
+        raise ConfigError(f"model.backbone must be one of {list(BACKBONES)} or 'torchvision:<name>', got {name!r}")
     if config.freeze_norm:
         _freeze_norm(model, config)
     return model

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .rules import ConfigError
+
 __all__ = ["VITS", "VisionTransformer", "resample_pos_embed", "vit"]
 
 PATCH = 16
@@ -119,8 +121,8 @@ class VisionTransformer(nn.Module):
     def __init__(self, dim: int, depth: int, heads: int, *, image_size: int = 224) -> None:
         super().__init__()
         if image_size < PATCH:
-            raise ValueError(f"data.image_size must be at least {PATCH} for a ViT with {PATCH}x{PATCH} patches, "
-                             f"got {image_size}")
+            raise ConfigError(f"data.image_size: must be at least {PATCH} for a ViT with {PATCH}x{PATCH} patches, "
+                              f"got {image_size}")
         self.grid = (image_size // PATCH, image_size // PATCH)
         self.num_features = dim
         self.cls_token = nn.Parameter(torch.zeros(1, 1, dim))
