@@ -5,7 +5,7 @@
 (:mod:`.trainer`) and the hooks, never the other way round.
 
 1. threads and seed; rank 0 takes the workspace (lock, folders, stale temporaries);
-2. data and the sampler (P = G / W), failures raised together on every rank;
+2. data and the sampler (P = G / W, or its ceil/floor), failures raised together on every rank;
 3. every rank's config and labels compared (a mismatch fails fast, named);
 4. model on the rank's device, optimizer (lr scaled with the global batch),
    wrapped for allreduce before any state is loaded, schedule, loss;
@@ -123,7 +123,7 @@ def _model(config: RunConfig, backend: Backend, model: torch.nn.Module | None) -
 
 def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any,
                 model: torch.nn.Module | None = None) -> StepParts:
-    global_batch = sampler.batch_size * backend.size
+    global_batch = sampler.global_batch_size  # per-rank sizes differ when W does not divide G
     model = _model(config, backend, model)
     try:
         memory = build_memory(config.loss.memory, device=backend.device)

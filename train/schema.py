@@ -19,8 +19,8 @@ registry is a new valid value.
 
 The batch is configured globally: ``sampler.classes_per_step`` (G) classes
 of ``sampler.samples_per_class`` (K) images per global step; each of the W
-ranks takes P = G / W classes. The same file trains the same global batches
-at every world size that divides G.
+ranks takes P = G / W classes (ceil or floor of it when W does not divide
+G). The same file trains the same global batches at every world size up to G.
 """
 
 from __future__ import annotations
