@@ -43,6 +43,7 @@ def test_part1_fails_when_the_weights_do_not_give_the_references_outputs(tmp_pat
     assert not result["passed"] and result["resnet50_max_abs_diff"] == pytest.approx(1e-3, rel=1e-3)
 
 
+@pytest.mark.horovod  # launches a real rank (torchrun)
 def test_part2_runs_the_demo_under_torchrun_and_reads_its_recall(tmp_path):
     # bf16 autocast runs on the CPU too, so the GPU runs' code path is exercised here.
     run = gpu_acceptance.demo_recall(tmp_path / "bf16", device="cpu", precision="bf16", overrides=TINY_DEMO)
