@@ -29,7 +29,7 @@ RESUMABLE_KEYS = frozenset({
     "workspace", "data.root", "data.workers", "data.max_bad_fraction",
     "train.epochs", "train.eval_every", "train.checkpoint_every", "train.resume", "train.threads",
     "train.max_steps", "train.gallery_queries", "train.progress_every_seconds", "train.tensorboard",
-    "train.device", "train.precision", "distributed.backend",
+    "train.device", "train.precision", "train.deterministic", "distributed.backend",
 })
 
 #: keys that may differ between ranks (per-host resources)

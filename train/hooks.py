@@ -92,10 +92,16 @@ class ProgressHook(HookBase):
 
 
 class CheckpointHook(HookBase):
-    """``last.pt`` every ``every`` steps, at ``max_steps`` (then stop) and after each epoch (rank 0 writes)."""
+    """``last.pt`` every ``every`` steps, at ``max_steps`` (then stop) and after each epoch (rank 0 writes).
 
-    def __init__(self, save: Callable[[str], None], *, every: int, max_steps: int | None) -> None:
-        self.save, self.every, self.max_steps = save, every, max_steps
+    ``save`` may return before the file is written (a background writer);
+    ``finish``, called after training, waits for the last write and raises a
+    failed one's error.
+    """
+
+    def __init__(self, save: Callable[[str], None], *, every: int, max_steps: int | None,
+                 finish: Callable[[], None] | None = None) -> None:
+        self.save, self.every, self.max_steps, self.finish = save, every, max_steps, finish
 
     def before_train(self) -> None:
         if self.max_steps is not None and self.trainer.state.global_step >= self.max_steps:
@@ -112,6 +118,10 @@ class CheckpointHook(HookBase):
 
     def after_epoch(self) -> None:
         self.save("last.pt")
+
+    def after_train(self) -> None:
+        if self.finish is not None:
+            self.finish()
 
 
 class EvaluationHook(HookBase):

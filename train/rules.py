@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 __all__ = [
     "ConfigError",
     "Rule",
+    "boolean",
     "choice",
     "closed_interval",
     "int_at_least",
@@ -42,6 +43,11 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def boolean(path: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: must be true or false, got {value!r}")
 
 
 def int_at_least(minimum: int) -> Rule:

@@ -25,7 +25,7 @@ from pksampler.files import atomic_write_text
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import load_checkpoint, save_checkpoint, to_numpy
+from .checkpoint import CheckpointWriter, load_checkpoint, to_numpy
 from .distributed import Backend
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
@@ -111,7 +111,7 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         scheduler=build_schedule(optimizer, config.optim.warmup_steps, total_steps), loss_fn=loss_fn,
         sampler=sampler, train_set=data.train, epochs=config.train.epochs, global_batch=global_batch,
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
-        scaler=backend.setup.grad_scaler(),
+        scaler=backend.setup.grad_scaler(), seed=config.seed,
     )
 
 
@@ -161,7 +161,8 @@ def _restore(trainer: Trainer, saved: dict[str, Any]) -> None:
     trainer.resume_sampler_state = to_numpy(saved["sampler"])
 
 
-def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, save) -> list[HookBase]:
+def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, save,
+           writer: CheckpointWriter | None) -> list[HookBase]:
     backend, parts = trainer.parts.backend, trainer.parts
     is_main = backend.rank == 0
     workspace = Path(config.workspace)
@@ -184,7 +185,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if getattr(parts.sampler, "negatives", None) == "hard":
         hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
                                       epochs=config.train.epochs))
-    hooks.append(CheckpointHook(save, every=config.train.checkpoint_every, max_steps=config.train.max_steps))
+    hooks.append(CheckpointHook(save, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
+                                finish=writer.close if writer is not None else None))
     return hooks
 
 
@@ -239,14 +241,13 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
-    def save(name: str) -> None:
-        if not is_main:
-            return
-        path = workspace / "checkpoints" / name
-        with writing(path, "; the previous checkpoint is intact"):
-            save_checkpoint(path, _checkpoint_state(trainer, config))
+    writer = CheckpointWriter() if is_main else None
 
-    trainer.register([*_hooks(config, trainer, data, log, save), *extra_hooks])
+    def save(name: str) -> None:
+        if writer is not None:  # rank 0 alone writes: a host copy now, the file in the background
+            writer.save(workspace / "checkpoints" / name, _checkpoint_state(trainer, config))
+
+    trainer.register([*_hooks(config, trainer, data, log, save, writer), *extra_hooks])
     return Run(trainer, workspace, log, lock)
 
 

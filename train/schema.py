@@ -137,6 +137,9 @@ class TrainConfig:
     gallery_queries: int = _rule(8, rules.positive_int)
     progress_every_seconds: float = _rule(30.0, rules.positive_finite)
     tensorboard: bool | None = None  # None: on when the tensorboard package is installed
+    # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
+    # (Horovod tensor fusion off, deterministic torch kernels; see train/device.py).
+    deterministic: bool = _rule(False, rules.boolean)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .device import loader_generator
 from .distributed import Backend
 from .hooks import HookBase
 
@@ -72,6 +73,7 @@ class StepParts:
     gather: bool = True
     passes: int = 1
     scaler: torch.amp.GradScaler | None = None
+    seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
 
 
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +136,8 @@ class Trainer:
             parts.sampler.load_state_dict(self.resume_sampler_state)  # continue mid-epoch
         self.resume_sampler_state = None
         loader = torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
-                                             pin_memory=parts.backend.setup.pin_memory)
+                                             pin_memory=parts.backend.setup.pin_memory,
+                                             generator=loader_generator(parts.seed, state.epoch, parts.backend.rank))
         batches, started, done = parts.sampler.num_batches, time.perf_counter(), 0
         for images, labels in loader:
             last_of_window = (state.consumed + 1) % parts.passes == 0 or state.consumed + 1 == batches
@@ -218,8 +221,11 @@ def train(config, backend: Backend, extra_hooks: Iterable[HookBase] = ()) -> Tra
 
 def main(config, extra_hooks: Iterable[HookBase] = ()) -> TrainResult:
     """Initialise the backend chosen by the config and train."""
+    from .device import make_deterministic
     from .distributed import make_backend
 
+    if config.train.deterministic:
+        make_deterministic()  # before hvd.init, which reads the fusion settings once
     backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision)
     try:
         result = train(config, backend, extra_hooks)
