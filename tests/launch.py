@@ -23,7 +23,7 @@ HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 LAUNCHERS = ("horovodrun", "torchrun")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -36,7 +36,7 @@ def launch_command(launcher: str, script: str | Path, *args: str, np: int = 2, h
                 sys.executable, str(script), *args]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np),
-                "--master_port", str(_free_port()), str(script), *args]
+                "--master_port", str(free_port()), str(script), *args]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
@@ -137,7 +137,7 @@ def finish_agent(process: subprocess.Popen, log: Path, *, timeout: float) -> sub
 def launch_agents(script: str | Path, *args: str, agents: int = 2, nproc: int = 2, timeout: float = 300.0,
                   env: dict[str, str] | None = None, log_dir: Path) -> list[subprocess.CompletedProcess[str]]:
     """``agents`` torchrun agents of ``nproc`` ranks each, one job at a c10d rendezvous on 127.0.0.1."""
-    port = _free_port()
+    port = free_port()
     command = agent_command(script, *args, nnodes=str(agents), nproc=nproc, endpoint=f"127.0.0.1:{port}")
     processes = [start_agent(command, log_dir / "agent0.log", env=env)]
     wait_for_port(port, processes[0])
