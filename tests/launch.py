@@ -1,42 +1,56 @@
-"""Launch real ranks from the tests: horovodrun (Gloo, CPU) or torchrun (gloo)."""
+"""Launch real ranks from the tests: horovodrun (Gloo, CPU) or torchrun (gloo), on one node or as two.
+
+Two nodes on one machine: ``horovodrun -H localhost:2,127.0.0.1:2`` (Horovod
+counts two hosts, so local rank and rank differ, and starts both without
+ssh), or several torchrun agents meeting at one c10d rendezvous on 127.0.0.1
+(:func:`start_agent`); the first agent started hosts the rendezvous store.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 LAUNCHERS = ("horovodrun", "torchrun")
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def launch_command(launcher: str, script: str | Path, *args: str, np: int = 2) -> list[str]:
-    """The command line that starts ``python script args`` on ``np`` local ranks."""
+def launch_command(launcher: str, script: str | Path, *args: str, np: int = 2, hosts: str | None = None) -> list[str]:
+    """The command line that starts ``python script args`` on ``np`` local ranks (horovodrun: on ``hosts``)."""
     if launcher == "horovodrun":
-        return [str(HOROVODRUN), "-np", str(np), "-H", f"localhost:{np}", "--start-timeout", "120",
+        return [str(HOROVODRUN), "-np", str(np), "-H", hosts or f"localhost:{np}", "--start-timeout", "120",
                 sys.executable, str(script), *args]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np),
-                "--master_port", str(_free_port()), str(script), *args]
+                "--master_port", str(free_port()), str(script), *args]
     raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
 
 
-def launch(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: float = 300.0,
-           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run the script on ``np`` ranks; stdout and stderr merged. A timeout kills the whole launcher."""
-    command = launch_command(launcher, script, *args, np=np)
+def _environment(env: dict[str, str] | None) -> dict[str, str]:
     # Gloo's rendezvous waits 30 s by default; 16 ranks importing torch on 2 busy cores can take longer.
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
-                **(env or {})}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
+            **(env or {})}
+
+
+def launch(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: float = 300.0,
+           env: dict[str, str] | None = None, hosts: str | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the script on ``np`` ranks; stdout and stderr merged. A timeout kills the whole launcher."""
+    command = launch_command(launcher, script, *args, np=np, hosts=hosts)
+    full_env = _environment(env)
     process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -64,3 +78,75 @@ def rank_tracebacks(output: str) -> int:
 def horovodrun(script: str | Path, *args: str, np: int = 2, timeout: float = 300.0,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return launch("horovodrun", script, *args, np=np, timeout=timeout, env=env)
+
+
+def agent_command(script: str | Path, *args: str, nnodes: str, nproc: int, endpoint: str,
+                  max_restarts: int = 0) -> list[str]:
+    """One torchrun agent (a node) of ``nproc`` ranks that meets the others at the c10d store ``endpoint``."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=pksampler-test",
+            f"--max-restarts={max_restarts}", str(script), *args]
+
+
+def start_agent(command: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start a launcher in its own session, stdout and stderr to ``log`` (read it while it runs)."""
+    with open(log, "w", encoding="utf-8") as stream:
+        return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=stream, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+
+def wait_for_port(port: int, process: subprocess.Popen, *, timeout: float = 120.0) -> None:
+    """Block until something listens on 127.0.0.1:``port`` (the first agent's rendezvous store)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.2)
+    raise AssertionError(f"nothing listens on port {port} (launcher status {process.poll()})")
+
+
+def kill_agent(process: subprocess.Popen) -> None:
+    """SIGKILL a launcher and every process under it: a node lost at once.
+
+    torchrun starts each worker in a session of its own, so killing the
+    agent's process group would leave its workers running.
+    """
+    try:
+        tree = [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]
+    except psutil.NoSuchProcess:
+        return
+    for member in tree:
+        try:
+            member.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    process.wait()
+
+
+def finish_agent(process: subprocess.Popen, log: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Wait for a launcher started by :func:`start_agent`; past ``timeout`` kill it and fail."""
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_agent(process)
+        raise AssertionError(f"{process.args} timed out after {timeout}s:\n{log.read_text()[-4000:]}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, log.read_text(), "")
+
+
+def launch_agents(script: str | Path, *args: str, agents: int = 2, nproc: int = 2, timeout: float = 300.0,
+                  env: dict[str, str] | None = None, log_dir: Path) -> list[subprocess.CompletedProcess[str]]:
+    """``agents`` torchrun agents of ``nproc`` ranks each, one job at a c10d rendezvous on 127.0.0.1."""
+    port = free_port()
+    command = agent_command(script, *args, nnodes=str(agents), nproc=nproc, endpoint=f"127.0.0.1:{port}")
+    processes = [start_agent(command, log_dir / "agent0.log", env=env)]
+    wait_for_port(port, processes[0])
+    try:
+        processes += [start_agent(command, log_dir / f"agent{i}.log", env=env) for i in range(1, agents)]
+        started = time.monotonic()
+        return [finish_agent(p, log_dir / f"agent{i}.log", timeout=max(timeout - (time.monotonic() - started), 1.0))
+                for i, p in enumerate(processes)]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                kill_agent(process)

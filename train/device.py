@@ -9,19 +9,31 @@ model runs ``channels_last``.
 CUDA; fp32 on the CPU), ``fp32``, ``bf16`` (autocast, no scaler) or ``fp16``
 (autocast with a GradScaler, CUDA only). Embeddings are cast back to fp32
 before they are gathered, so the loss and its mining see full precision.
+
+``train.deterministic``: a run that repeats bit for bit, on any split of its
+ranks over hosts. :func:`make_deterministic` runs before the runtime starts:
+Horovod's tensor fusion is turned off (``HOROVOD_FUSION_THRESHOLD=0``, which
+Horovod reads at ``hvd.init``; a fused buffer sums tensors in the order they
+happened to become ready, so two runs differ in the last bits and the
+difference grows), its autotuner too (it would re-enable fusion), and torch
+uses deterministic kernels only. :func:`loader_generator` seeds the loader's
+workers from (seed, epoch, rank) instead of the process's global RNG.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from dataclasses import dataclass
 from typing import Callable, ContextManager
 
+import numpy as np
 import torch
 
 from .rules import ConfigError
 
-__all__ = ["DeviceSetup", "resolve_device", "resolve_precision", "setup_device"]
+__all__ = ["DeviceSetup", "loader_generator", "make_deterministic", "resolve_device", "resolve_precision",
+           "setup_device"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -100,3 +112,44 @@ def setup_device(device_choice: str, precision_choice: str, local_rank: int) -> 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     return DeviceSetup(device, resolve_precision(precision_choice, device))
+
+
+#: environment a deterministic run needs before Horovod and CUDA start
+DETERMINISTIC_ENVIRONMENT = {
+    "HOROVOD_FUSION_THRESHOLD": "0",  # one allreduce per tensor, always in the same order
+    "HOROVOD_AUTOTUNE": "0",  # the autotuner varies the fusion threshold
+    "CUBLAS_WORKSPACE_CONFIG": ":4096:8",  # cuBLAS refuses deterministic mode without it
+}
+
+
+def make_deterministic(environ: dict[str, str] | None = None) -> None:
+    """Make this process's training repeat bit for bit; call before the backend starts.
+
+    Sets :data:`DETERMINISTIC_ENVIRONMENT` and ``torch.use_deterministic_algorithms``
+    (an op without a deterministic kernel then raises, naming itself, rather
+    than silently varying), cuDNN without benchmarking. Horovod reads its
+    fusion settings once, in ``hvd.init``: if it is already running with
+    fusion on, this raises ConfigError rather than promise what it cannot keep.
+    """
+    environ = os.environ if environ is None else environ
+    from pksampler.comm import initialised_horovod
+
+    if initialised_horovod() is not None and environ.get("HOROVOD_FUSION_THRESHOLD") != "0":
+        raise ConfigError("train.deterministic: Horovod was started with tensor fusion on "
+                          f"(HOROVOD_FUSION_THRESHOLD={environ.get('HOROVOD_FUSION_THRESHOLD')!r}); set "
+                          "HOROVOD_FUSION_THRESHOLD=0 before hvd.init, or train.deterministic=false")
+    environ.update(DETERMINISTIC_ENVIRONMENT)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+def loader_generator(seed: int, epoch: int, rank: int) -> torch.Generator:
+    """The generator a rank's DataLoader draws its workers' seeds from, keyed by (seed, epoch, rank).
+
+    Each worker seeds ``torch``, ``random`` and ``numpy`` from it, so a
+    transform that uses a global RNG still repeats, and a resumed run draws
+    what the uninterrupted one drew in that epoch.
+    """
+    key = np.random.SeedSequence([seed, epoch, rank, 0x10AD]).generate_state(2, dtype=np.uint32)
+    return torch.Generator().manual_seed(int(key[0]) << 32 | int(key[1]))

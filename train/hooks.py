@@ -104,13 +104,16 @@ class CheckpointHook(HookBase):
     config), handed to ``write(name, checkpoint)``; only the main rank
     (``is_main``) builds and writes it. Registered before evaluation, the
     epoch's checkpoint exists before evaluation runs, so a failure there
-    never costs the epoch's training.
+    never costs the epoch's training. ``write`` may return before the file
+    is on disk (:class:`~.checkpoint.CheckpointWriter`); ``finish``, called
+    after training, waits for the last write and raises a failed one's error.
     """
 
     def __init__(self, write: Callable[[str, dict[str, Any]], None], *, every: int, max_steps: int | None,
-                 metadata: dict[str, Any] | None = None, is_main: bool = True) -> None:
+                 metadata: dict[str, Any] | None = None, is_main: bool = True,
+                 finish: Callable[[], None] | None = None) -> None:
         self.write, self.every, self.max_steps = write, every, max_steps
-        self.metadata, self.is_main = dict(metadata or {}), is_main
+        self.metadata, self.is_main, self.finish = dict(metadata or {}), is_main, finish
 
     def save(self, name: str) -> None:
         """Write the trainer's state as ``name`` (the main rank; a no-op elsewhere).
@@ -141,6 +144,10 @@ class CheckpointHook(HookBase):
 
     def after_epoch(self) -> None:
         self.save("last.pt")
+
+    def after_train(self) -> None:
+        if self.finish is not None:
+            self.finish()
 
 
 class EvaluationHook(HookBase):

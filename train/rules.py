@@ -16,6 +16,7 @@ from pksampler.samplers._validate import SEED_LIMIT
 __all__ = [
     "ConfigError",
     "Rule",
+    "boolean",
     "choice",
     "closed_interval",
     "int_at_least",
@@ -44,6 +45,11 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def boolean(path: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(f"{path}: must be true or false, got {value!r}")
 
 
 def int_at_least(minimum: int) -> Rule:

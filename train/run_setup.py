@@ -33,8 +33,10 @@ from pksampler.files import atomic_write_text
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import CheckpointError, check_training_checkpoint, count_non_finite, load_checkpoint, save_checkpoint
+from .checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
+                         load_checkpoint)
 from .datacheck import IndexDigestHook
+from .device import make_deterministic
 from .distributed import Backend, make_backend
 from .events import EventStorage
 from .finetune import FreezeBackboneHook
@@ -146,7 +148,7 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         scheduler=build_schedule(optimizer, config.optim.warmup_steps, total_steps), loss_fn=loss_fn,
         sampler=sampler, train_set=data.train, epochs=config.train.epochs, global_batch=global_batch,
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
-        scaler=backend.setup.grad_scaler(),
+        scaler=backend.setup.grad_scaler(), seed=config.seed,
     )
 
 
@@ -280,13 +282,15 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
+    # Rank 0 alone writes: a host copy of the state now, the file in a background thread.
+    writer = CheckpointWriter() if is_main else None
+
     def write(name: str, checkpoint: dict[str, Any]) -> None:
-        path = workspace / "checkpoints" / name
-        with writing(path, "; the previous checkpoint is intact"):
-            save_checkpoint(path, checkpoint)
+        writer.save(workspace / "checkpoints" / name, checkpoint)
 
     checkpoints = CheckpointHook(write, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
-                                 metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()}, is_main=is_main)
+                                 metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()}, is_main=is_main,
+                                 finish=writer.close if writer is not None else None)
     trainer.register([*_hooks(config, trainer, data, log, checkpoints), *extra_hooks])
     return Run(trainer, workspace, log, lock)
 
@@ -326,6 +330,8 @@ def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] =
 def main(config: RunConfig, extra_hooks: Iterable[HookBase] = (), *,
          model: torch.nn.Module | None = None) -> TrainResult:
     """Initialise the backend chosen by the config and train."""
+    if config.train.deterministic:
+        make_deterministic()  # before hvd.init, which reads the fusion settings once
     backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision,
                            collective_timeout=config.train.collective_timeout)
     try:

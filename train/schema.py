@@ -169,6 +169,9 @@ class TrainConfig:
     # torchrun: seconds a collective waits for the other ranks before the job ends naming the rank that
     # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
     collective_timeout: float = _rule(300.0, rules.positive_finite, resumable=True)
+    # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
+    # (Horovod tensor fusion off, deterministic torch kernels, seeded loader workers; see train/device.py).
+    deterministic: bool = _rule(False, rules.boolean, resumable=True)
 
 
 @dataclass(frozen=True)

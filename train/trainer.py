@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .checkpoint import to_numpy
+from .device import loader_generator
 from .distributed import Backend
 from .events import EventStorage
 
@@ -111,6 +112,7 @@ class StepParts:
     gather: bool = True
     passes: int = 1
     scaler: torch.amp.GradScaler | None = None
+    seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
 
 
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,7 +199,8 @@ class Trainer:
         """The epoch's batches: a DataLoader over the training set driven by the batch sampler."""
         parts = self.parts
         return torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
-                                           pin_memory=parts.backend.setup.pin_memory)
+                                           pin_memory=parts.backend.setup.pin_memory,
+                                           generator=loader_generator(parts.seed, self.state.epoch, parts.backend.rank))
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a run needs to continue: model, optimizer, schedule, scaler, loss, loop and sampler state.

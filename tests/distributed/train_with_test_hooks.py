@@ -8,10 +8,16 @@ global step (an unexpected exception).
 ``--set key=value`` (ranks that disagree).
 ``PKSAMPLER_TEST_FREEZE=rank:step``: that rank stops responding (sleeps) after that global step.
 ``PKSAMPLER_TEST_PIDS=folder``: every rank writes ``folder/<rank>.pid`` before training.
+``PKSAMPLER_TEST_AUDIT=folder``: every rank records the files it opens for
+writing under that folder (Python's audit hooks see every ``open`` and
+``os.open``) and, after training, prints one ``[audit]`` line: rank, local
+rank, pid, the device its local rank selects on a host with two GPUs, the
+determinism settings it ran with and the files it wrote.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -34,6 +40,38 @@ class CrashAt(HookBase):
         if world_info()[0] == self.rank and self.trainer.state.global_step == self.step:
             print(f"[test] rank {self.rank}: simulated crash at step {self.step}", flush=True)
             os._exit(3)
+
+
+class Audit(HookBase):
+    _WRITE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.written = os.path.realpath(folder), set()
+        sys.addaudithook(self._record)
+
+    def _record(self, event: str, args: tuple) -> None:
+        if event != "open" or not isinstance(args[0], (str, bytes, os.PathLike)) or not (args[2] or 0) & self._WRITE:
+            return
+        path = os.path.realpath(os.fsdecode(args[0]))
+        if path.startswith(self.folder + os.sep):
+            self.written.add(os.path.relpath(path, self.folder))
+
+    def after_train(self) -> None:
+        import torch
+
+        from pksampler.train.device import resolve_device
+        from pksampler.train.rules import ConfigError
+
+        backend = self.trainer.parts.backend
+        try:
+            device = resolve_device("cuda", backend.local_rank, cuda_available=True, cuda_count=2)
+        except ConfigError as error:  # one node of 4 ranks would need 4 GPUs
+            device = error
+        print("[audit] " + json.dumps({
+            "rank": backend.rank, "local_rank": backend.local_rank, "size": backend.size, "pid": os.getpid(),
+            "device_on_two_gpus": str(device), "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD"),
+            "deterministic_kernels": torch.are_deterministic_algorithms_enabled(), "written": sorted(self.written)}),
+            flush=True)
 
 
 class RaiseAt(HookBase):
@@ -77,6 +115,8 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(FreezeAt(rank, step))
     if os.environ.get("PKSAMPLER_TEST_PIDS"):
         hooks.append(WritePid(os.environ["PKSAMPLER_TEST_PIDS"]))
+    if os.environ.get("PKSAMPLER_TEST_AUDIT"):
+        hooks.append(Audit(os.environ["PKSAMPLER_TEST_AUDIT"]))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
     if variant:
         rank, setting = variant.split(":", 1)

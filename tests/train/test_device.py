@@ -58,3 +58,48 @@ def test_cuda_setup_asks_for_pinned_memory_channels_last_and_an_fp16_scaler():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # without a GPU torch disables the scaler, with a warning
         assert isinstance(setup.grad_scaler(), torch.amp.GradScaler)
+
+
+def test_deterministic_mode_turns_fusion_off_before_horovod_starts_and_torch_to_deterministic_kernels():
+    from pksampler.train.device import make_deterministic
+
+    environ = {"HOROVOD_FUSION_THRESHOLD": str(64 << 20)}
+    try:
+        make_deterministic(environ)
+        assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.benchmark
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False
+    assert environ == {"HOROVOD_FUSION_THRESHOLD": "0", "HOROVOD_AUTOTUNE": "0", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+class _GlobalRandom(torch.utils.data.Dataset):
+    """Draws from the worker's global torch RNG, as a careless transform would."""
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return torch.rand(1)
+
+
+def test_loader_workers_draw_seeds_keyed_by_seed_epoch_and_rank():
+    from pksampler.train.device import loader_generator
+
+    def draws(seed, epoch, rank):
+        torch.manual_seed(1234 + epoch)  # the process's global RNG must not matter
+        loader = torch.utils.data.DataLoader(_GlobalRandom(), batch_size=2, num_workers=1,
+                                             generator=loader_generator(seed, epoch, rank))
+        return torch.cat(list(loader))
+
+    first = draws(0, 1, 0)
+    assert torch.equal(first, draws(0, 1, 0))
+    assert not torch.equal(first, draws(0, 2, 0)) and not torch.equal(first, draws(0, 1, 1))
+
+
+def test_deterministic_is_true_or_false():
+    from pksampler.train.config import load_config
+
+    assert load_config(None, ["train.deterministic=true"], environ={}).train.deterministic is True
+    with pytest.raises(ConfigError, match=r"train.deterministic: expected true or false, got 'maybe'"):
+        load_config(None, ["train.deterministic=maybe"], environ={})
