@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -47,6 +47,7 @@ from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
 from .tensorboard import TensorBoardWriter
+from .elastic import elastic_launch, run_elastic
 from .trainer import StepParts, Trainer, TrainState
 from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
@@ -59,6 +60,11 @@ class Run:
     workspace: Path
     log: EventLog
     lock: WorkspaceLock | None
+    #: under Horovod elastic: trains inside hvd.elastic.run (see :mod:`.elastic`)
+    elastic: Callable[[], TrainState] | None = None
+
+    def train(self) -> TrainState:
+        return self.elastic() if self.elastic is not None else self.trainer.train()
 
     def close(self) -> None:
         self.log.close()
@@ -66,8 +72,12 @@ class Run:
             self.lock.release()
 
 
-def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None, DataParts, Any]:
-    """Workspace (rank 0), data and sampler; any rank's ConfigError is raised on every rank."""
+def _prepare(config: RunConfig, backend: Backend, elastic: bool) -> tuple[WorkspaceLock | None, DataParts, Any]:
+    """Workspace (rank 0), data and sampler; any rank's ConfigError is raised on every rank.
+
+    Under Horovod elastic nothing collective runs before ``hvd.elastic.run``
+    (a joiner would meet the survivors' state sync): each rank raises its own.
+    """
     lock, error, data, sampler = None, None, None, None
     try:
         if backend.rank == 0:
@@ -77,7 +87,10 @@ def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None,
     except ConfigError as caught:
         error = caught
     try:
-        raise_together(backend, error)
+        if elastic and error is not None:
+            raise error
+        if not elastic:
+            raise_together(backend, error)
     except ConfigError:
         if lock is not None:
             lock.release()
@@ -132,8 +145,11 @@ def _checkpoint_state(trainer: Trainer, config: RunConfig) -> dict[str, Any]:
     }
 
 
-def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | None:
-    """Rank 0 reads and checks ``last.pt``; every rank receives it (or the same error)."""
+def _load_resume_state(config: RunConfig, backend: Backend, elastic: bool) -> dict[str, Any] | None:
+    """Rank 0 reads and checks ``last.pt``; every rank receives it (or the same error).
+
+    Under Horovod elastic rank 0 alone holds it; the elastic state sync sends it.
+    """
     path = Path(config.workspace) / "checkpoints" / "last.pt"
     state, error = None, None
     if config.train.resume and backend.rank == 0 and path.is_file():
@@ -145,6 +161,10 @@ def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | 
             check_resume_compatible(state["config"], config.to_dict(), str(path))
         except ConfigError as caught:
             error, state = caught, None
+    if elastic:
+        if error is not None:
+            raise error
+        return state
     raise_together(backend, error)
     return backend.broadcast_object(state, name="pksampler.resume_state") if backend.size > 1 else state
 
@@ -167,6 +187,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
                                  gallery_queries=config.train.gallery_queries, log=log)
+    elastic = elastic_launch() and backend.name == "horovod"
     hooks: list[HookBase] = [
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), save,
                        every=config.train.eval_every, epochs=config.train.epochs, is_main=is_main),
@@ -174,7 +195,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if is_main:
         progress = Progress(parts.sampler.num_batches, config.train.epochs,
                             every_seconds=config.train.progress_every_seconds)
-        hooks = [MetricsLogHook(log), ProgressHook(progress), *hooks,
+        # Under Horovod elastic the step records are written at commits (elastic.CommittedMetricsHook).
+        hooks = [*([] if elastic else [MetricsLogHook(log)]), ProgressHook(progress), *hooks,
                  FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs)]
         if _tensorboard_wanted(config.train.tensorboard):
             hooks.append(TensorBoardHook(TensorBoardWriter(workspace), lambda: evaluator.last_gallery))
@@ -214,17 +236,20 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     """Build every part of a run; the config is read here and nowhere else."""
     torch.set_num_threads(config.train.threads)
     torch.manual_seed(config.seed)
-    lock, data, sampler = _prepare(config, backend)
+    elastic = elastic_launch() and backend.name == "horovod"
+    lock, data, sampler = _prepare(config, backend, elastic)
     try:
         # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
         # labels compared here, so the sampler's own consistency check would only repeat it.
-        check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
+        if not elastic:
+            check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
         parts = _step_parts(config, backend, data, sampler)
         trainer = Trainer(parts, [])
-        saved = _load_resume_state(config, backend)
+        saved = _load_resume_state(config, backend, elastic)
         if saved is not None:
             _restore(trainer, saved)
-        backend.broadcast_state(parts.model, parts.optimizer)
+        if not elastic:
+            backend.broadcast_state(parts.model, parts.optimizer)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -240,14 +265,24 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
     def save(name: str) -> None:
-        if not is_main:
+        if backend.rank != 0:  # read each time: under Horovod elastic rank 0 can change
             return
         path = workspace / "checkpoints" / name
         with writing(path, "; the previous checkpoint is intact"):
             save_checkpoint(path, _checkpoint_state(trainer, config))
 
     trainer.register([*_hooks(config, trainer, data, log, save), *extra_hooks])
-    return Run(trainer, workspace, log, lock)
+    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data) if elastic else None)
+
+
+def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts) -> Callable[[], TrainState]:
+    """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world."""
+    backend = trainer.parts.backend
+    return lambda: run_elastic(
+        trainer, commit_every=config.train.commit_every,
+        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed),
+        gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
+        before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
 
 
 def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Trainer, *, resumed: bool) -> None:

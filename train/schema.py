@@ -137,6 +137,7 @@ class TrainConfig:
     gallery_queries: int = _rule(8, rules.positive_int)
     progress_every_seconds: float = _rule(30.0, rules.positive_finite)
     tensorboard: bool | None = None  # None: on when the tensorboard package is installed
+    commit_every: int = _rule(10, rules.positive_int)  # Horovod elastic: in-memory commit every N global steps
 
 
 @dataclass(frozen=True)

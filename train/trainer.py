@@ -210,7 +210,7 @@ def train(config, backend: Backend, extra_hooks: Iterable[HookBase] = ()) -> Tra
 
     run = assemble(config, backend, extra_hooks)
     try:
-        state = run.trainer.train()
+        state = run.train()
     finally:
         run.close()
     return TrainResult(state.global_step, state.epoch, state.final_metrics, run.workspace)

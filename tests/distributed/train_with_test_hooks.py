@@ -6,12 +6,17 @@ global step (a hook injected here, never part of the trainer).
 global step (an unexpected exception).
 ``PKSAMPLER_TEST_RANK_SET=rank:key=value``: that rank alone gets an extra
 ``--set key=value`` (ranks that disagree).
+``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
+sample indices it trained to ``folder/<pid>.jsonl`` (needs
+``data.workers=0``, so the images are fetched in the rank's own process).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +47,52 @@ class RaiseAt(HookBase):
             raise RuntimeError(f"unexpected failure injected at step {self.step}")
 
 
+class _RecordingDataset:
+    """The training set, noting every index fetched (in the loop's process when data.workers=0)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.fetched = inner, []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        self.fetched.append(int(index))
+        return self.inner[index]
+
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class RecordBatches(HookBase):
+    """Per global step, the indices this rank trained, the world it ran in and when that world started."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / f"{os.getpid()}.jsonl"
+        self.world_started = 0.0
+
+    def before_train(self) -> None:
+        parts = self.trainer.parts
+        if not isinstance(parts.train_set, _RecordingDataset):
+            parts.train_set = _RecordingDataset(parts.train_set)
+        parts.train_set.fetched.clear()
+        # One stamp per world (rank 0's clock), so a test can tell a replayed step's last run.
+        self.world_started = parts.backend.broadcast_object(time.time(), name="pksampler.test.world")
+
+    def after_step(self) -> None:
+        parts, state = self.trainer.parts, self.trainer.state
+        record = dict(global_step=state.global_step, epoch=state.epoch, step=state.consumed, rank=parts.backend.rank,
+                      size=parts.backend.size, world_started=self.world_started,
+                      indices=sorted(parts.train_set.fetched),
+                      parameters=float(sum(p.double().sum() for p in parts.model.parameters())))
+        parts.train_set.fetched.clear()
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+
 def _arguments() -> tuple[list[str], list[HookBase]]:
     argv, hooks = sys.argv[1:], []
     crash = os.environ.get("PKSAMPLER_TEST_CRASH")
@@ -50,6 +101,8 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(CrashAt(rank, step))
     if os.environ.get("PKSAMPLER_TEST_RAISE"):
         hooks.append(RaiseAt(int(os.environ["PKSAMPLER_TEST_RAISE"])))
+    if os.environ.get("PKSAMPLER_TEST_RECORD"):
+        hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
     if variant:
         rank, setting = variant.split(":", 1)
