@@ -34,10 +34,14 @@ metrics.jsonl keeps every global step once: step records are buffered on
 every rank and appended by the current rank 0 at each commit
 (:class:`CommittedMetricsHook`); steps rolled back are never written.
 
-Below ``--min-np`` Horovod's driver waits ``--elastic-timeout`` seconds
-(default 600) for hosts; a worker waiting to re-join for longer than
-:data:`REJOIN_TIMEOUT_ENV` (default: ``HOROVOD_ELASTIC_TIMEOUT``, else 60 s)
-prints one line naming the cause and exits (:func:`_rejoin_with_deadline`).
+Below ``--min-np`` Horovod's driver waits ``HOROVOD_ELASTIC_TIMEOUT``
+seconds (``--elastic-timeout``; default 600) for hosts, then kills the
+workers and ends with a message about a worker's exit status, not the cause
+(horovod#3494). A worker that has waited 5 s less than that to re-join
+prints one line naming the cause and exits first
+(:func:`_rejoin_with_deadline`), so ``HOROVOD_ELASTIC_TIMEOUT=40`` ends
+such a job within a minute, with that line. The timeout must exceed a
+joiner's start-up: survivors re-join only once the joiners have started.
 """
 
 from __future__ import annotations
@@ -56,12 +60,13 @@ from typing import Any, Callable
 import torch
 
 from .hooks import HookBase
+from .rules import ConfigError
 from .trainer import Trainer, TrainState
 
 __all__ = [
     "CommitHook",
     "CommittedMetricsHook",
-    "REJOIN_TIMEOUT_ENV",
+    "ELASTIC_TIMEOUT_ENV",
     "SamplerHandler",
     "elastic_launch",
     "rejoin_timeout",
@@ -69,9 +74,11 @@ __all__ = [
     "state_handlers",
 ]
 
-#: seconds a worker waits to re-join after a membership change before it gives up
-REJOIN_TIMEOUT_ENV = "PKSAMPLER_ELASTIC_REJOIN_TIMEOUT"
-_DEFAULT_REJOIN_SECONDS = 60.0
+#: Horovod's driver waits this long (seconds) for enough hosts after a membership change
+ELASTIC_TIMEOUT_ENV = "HOROVOD_ELASTIC_TIMEOUT"
+_HOROVOD_DEFAULT_TIMEOUT = 600.0
+#: a worker gives up this much earlier than the driver, so the job ends with the worker's message
+_REJOIN_MARGIN = 5.0
 #: exit status of a worker that could not re-join (fewer hosts than --min-np)
 REJOIN_EXIT_STATUS = 4
 
@@ -82,18 +89,17 @@ def elastic_launch() -> bool:
 
 
 def rejoin_timeout() -> float:
-    """Seconds to wait for a new world after a reset: PKSAMPLER_ELASTIC_REJOIN_TIMEOUT, HOROVOD_ELASTIC_TIMEOUT or 60."""
-    for name in (REJOIN_TIMEOUT_ENV, "HOROVOD_ELASTIC_TIMEOUT"):
-        value = os.environ.get(name)
-        if value:
-            try:
-                seconds = float(value)
-            except ValueError:
-                raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
-            if seconds > 0:
-                return seconds
-            raise ValueError(f"{name}={value!r}: must be a positive number of seconds")
-    return _DEFAULT_REJOIN_SECONDS
+    """Seconds a worker waits for a new world after a reset: 5 s less than Horovod's driver waits for hosts."""
+    value = os.environ.get(ELASTIC_TIMEOUT_ENV)
+    if not value:
+        return _HOROVOD_DEFAULT_TIMEOUT - _REJOIN_MARGIN
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > _REJOIN_MARGIN:
+        raise ConfigError(f"{ELASTIC_TIMEOUT_ENV}={value!r}: expected a number of seconds above {_REJOIN_MARGIN:.0f}")
+    return seconds - _REJOIN_MARGIN
 
 
 # --- state handlers -----------------------------------------------------------------
@@ -287,9 +293,10 @@ def _rejoin_with_deadline(seconds: float) -> None:
     import horovod.torch as hvd
 
     def give_up() -> None:
-        print(f"[pksampler] error: Horovod elastic: no new world within {seconds:.0f} s after a membership change "
-              "(fewer hosts than --min-np?); this worker stops. Restart the job when hosts are back; it resumes "
-              "from the last checkpoint", file=sys.stderr, flush=True)
+        print(f"[pksampler] error: Horovod elastic: no new world within {seconds:.0f} s after a membership change: "
+              f"fewer slots than --min-np (or joiners slower to start than {ELASTIC_TIMEOUT_ENV} allows); this "
+              "worker stops. Start the job again when hosts are back: it resumes from the last checkpoint",
+              file=sys.stderr, flush=True)
         os._exit(REJOIN_EXIT_STATUS)
 
     timer = threading.Timer(seconds, give_up)

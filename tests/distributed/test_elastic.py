@@ -129,9 +129,15 @@ def check_exactly_the_plan(run: ElasticRun, steps: int) -> dict[int, dict]:
 
 
 def _report(name: str, run: ElasticRun, trained: dict[int, dict]) -> None:
+    """Measurements for README: steps run again, and how long the change took to reach a new world."""
     replayed = [step for step, info in trained.items() if info["runs"] > 1]
     sizes = [trained[step]["size"] for step in sorted(trained)]
-    print(f"[elastic] {name}: world sizes per step {sizes}; steps run twice {replayed}", flush=True)
+    records = [json.loads(line) for path in run.records.glob("*.jsonl") for line in path.read_text().splitlines()]
+    worlds = sorted({r["world_started"] for r in records})
+    last_of_first = max(r["time"] for r in records if r["world_started"] == worlds[0])
+    print(f"[elastic] {name}: world sizes per step {sizes}; steps run twice {replayed}; change to new world "
+          f"{worlds[-1] - run.changed_at:.1f} s; last step of the old world to new world "
+          f"{worlds[-1] - last_of_first:.1f} s", flush=True)
 
 
 def test_a_removed_host_leaves_the_survivors_training_the_same_plan(tmp_path):
@@ -146,3 +152,15 @@ def test_an_added_host_receives_the_state_and_trains_the_same_plan(tmp_path):
     trained = check_exactly_the_plan(run, 12)
     assert trained[1]["size"] == 2 and trained[12]["size"] == 4, {s: t["size"] for s, t in trained.items()}
     _report("host added", run, trained)
+
+
+def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_path):
+    # Horovod alone would wait HOROVOD_ELASTIC_TIMEOUT (600 s by default) and then blame a worker's exit status.
+    run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=4, max_np=4, after_step=2,
+                      env={"HOROVOD_ELASTIC_TIMEOUT": "30"})
+    took = run.ended_at - run.changed_at
+    print(f"[elastic] below --min-np: the job ended {took:.1f} s after the host left", flush=True)
+    assert run.returncode != 0, run.output[-3000:]
+    assert "[pksampler] error: Horovod elastic: no new world within 25 s" in run.output, run.output[-3000:]
+    assert "fewer slots than --min-np" in run.output
+    assert took < 60, f"the job took {took:.0f} s to end after the host left"

@@ -87,7 +87,8 @@ class RecordBatches(HookBase):
         record = dict(global_step=state.global_step, epoch=state.epoch, step=state.consumed, rank=parts.backend.rank,
                       size=parts.backend.size, world_started=self.world_started,
                       indices=sorted(parts.train_set.fetched),
-                      parameters=float(sum(p.double().sum() for p in parts.model.parameters())))
+                      parameters=float(sum(p.detach().double().sum() for p in parts.model.parameters())),
+                      time=time.time())
         parts.train_set.fetched.clear()
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
