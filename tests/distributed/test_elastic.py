@@ -147,11 +147,18 @@ def test_a_removed_host_leaves_the_survivors_training_the_same_plan(tmp_path):
     _report("host removed", run, trained)
 
 
-def test_an_added_host_receives_the_state_and_trains_the_same_plan(tmp_path):
-    run = run_elastic(tmp_path, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3)
+def test_an_added_host_receives_the_state_and_its_crash_rolls_back_to_the_last_commit(tmp_path):
+    # The joiners train one step in a world of 4, then one of them dies: the survivors roll back to the
+    # last commit, Horovod drops the failed host, and the steps after the commit are trained again at 2.
+    run = run_elastic(tmp_path, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3,
+                      env={"PKSAMPLER_TEST_CRASH_JOINER": "1"})
     trained = check_exactly_the_plan(run, 12)
-    assert trained[1]["size"] == 2 and trained[12]["size"] == 4, {s: t["size"] for s, t in trained.items()}
-    _report("host added", run, trained)
+    sizes = {step: info["size"] for step, info in trained.items()}
+    assert sizes[1] == 2 and sizes[12] == 2, sizes
+    assert "simulated crash" in run.output
+    replayed = [step for step, info in trained.items() if info["runs"] > 1]
+    assert replayed, "the step the joiner crashed in was not trained again"
+    _report("host added, then a joiner crashed", run, trained)
 
 
 def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_path):

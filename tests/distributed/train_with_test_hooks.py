@@ -6,6 +6,9 @@ global step (a hook injected here, never part of the trainer).
 global step (an unexpected exception).
 ``PKSAMPLER_TEST_RANK_SET=rank:key=value``: that rank alone gets an extra
 ``--set key=value`` (ranks that disagree).
+``PKSAMPLER_TEST_CRASH_JOINER=1``: a process that joined a running Horovod
+elastic job (its first step is not the run's first) exits with status 3
+after its first step.
 ``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
@@ -45,6 +48,20 @@ class RaiseAt(HookBase):
     def after_step(self) -> None:
         if self.trainer.state.global_step == self.step:
             raise RuntimeError(f"unexpected failure injected at step {self.step}")
+
+
+class CrashJoiner(HookBase):
+    def __init__(self) -> None:
+        self.joined: bool | None = None
+
+    def before_train(self) -> None:
+        if self.joined is None:
+            self.joined = self.trainer.state.global_step > 0
+
+    def after_step(self) -> None:
+        if self.joined:
+            print(f"[test] joiner {os.getpid()}: simulated crash at step {self.trainer.state.global_step}", flush=True)
+            os._exit(3)
 
 
 class _RecordingDataset:
@@ -102,6 +119,8 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(CrashAt(rank, step))
     if os.environ.get("PKSAMPLER_TEST_RAISE"):
         hooks.append(RaiseAt(int(os.environ["PKSAMPLER_TEST_RAISE"])))
+    if os.environ.get("PKSAMPLER_TEST_CRASH_JOINER"):
+        hooks.append(CrashJoiner())
     if os.environ.get("PKSAMPLER_TEST_RECORD"):
         hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")

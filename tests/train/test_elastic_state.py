@@ -1,0 +1,129 @@
+"""Horovod elastic state, in one process: the sampler handler re-derives every rank's share for a new world."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pksampler.train.config import ConfigError, load_config
+from pksampler.train.elastic import (
+    CommittedMetricsHook,
+    SamplerHandler,
+    _TrainStateHandler,
+    elastic_launch,
+    rejoin_timeout,
+)
+from pksampler.train.builders import build_sampler
+from pksampler.train.schema import SamplerConfig
+from pksampler.train.trainer import TrainState
+
+LABELS = np.repeat(np.arange(40), 6)
+CONFIG = SamplerConfig(classes_per_step=8, samples_per_class=2)
+
+
+def _sampler(world: int, rank: int):
+    return build_sampler(CONFIG, LABELS, world, rank, 3)
+
+
+def _global_steps(world: int, epoch: int, start: int = 0) -> list[list[int]]:
+    """Global steps of ``epoch`` from ``start``: the rank batches of every rank, concatenated and sorted."""
+    ranks = []
+    for rank in range(world):
+        sampler = _sampler(world, rank)
+        sampler.set_epoch(epoch)
+        sampler.load_state_dict({**sampler.state_dict(), "step": start})
+        ranks.append(list(sampler))
+    return [sorted(i for batches in step for i in batches) for step in zip(*ranks)]
+
+
+@pytest.mark.parametrize("old, new", [(4, 2), (2, 4), (4, 1), (1, 8)])
+def test_reshard_continues_the_same_global_steps_at_another_world_size(old, new):
+    consumed, epoch = 3, 1
+    handlers = []
+    for rank in range(new):
+        sampler = _sampler(old, rank % old)
+        sampler.set_epoch(epoch)
+        position = {**sampler.state_dict(batches_consumed=0), "step": consumed}
+
+        def rebuild(state, rank=rank):
+            rebuilt = _sampler(new, rank)
+            rebuilt.load_state_dict(state)
+            return rebuilt
+
+        handler = SamplerHandler(sampler, position=lambda position=position: position, rebuild=rebuild)
+        handler.reshard()
+        handlers.append(handler)
+    after = [sorted(i for batch in step for i in batch) for step in zip(*(list(h.value) for h in handlers))]
+    assert after == _global_steps(1, epoch, consumed)
+    assert all(h.value.num_replicas == new for h in handlers)
+
+
+def test_sampler_handler_restores_the_saved_position():
+    sampler = _sampler(2, 0)
+    state = {"step": 2}
+    handler = SamplerHandler(sampler, position=lambda: {**sampler.state_dict(0), **state}, rebuild=lambda s: sampler)
+    state["step"] = 5
+    handler.restore()
+    assert sampler.state_dict(0)["step"] == 2
+    handler.save()
+    handler.restore()
+    assert sampler.state_dict(0)["step"] == 5
+
+
+def test_train_state_rolls_back_in_place():
+    state = TrainState(global_step=4, consumed=4)
+    state.history["losses"].append(1.0)
+    handler = _TrainStateHandler(state)
+    state.global_step, state.consumed, state.stop = 6, 6, True
+    state.history["losses"].append(2.0)
+    handler.restore()
+    assert (state.global_step, state.consumed, state.stop, state.history["losses"]) == (4, 4, False, [1.0])
+    assert handler.value is state
+
+
+def test_metrics_are_written_once_at_commits_by_the_current_rank_zero(tmp_path):
+    path, main = tmp_path / "metrics.jsonl", {"now": True}
+    hook = CommittedMetricsHook(path, lambda: main["now"])
+
+    class Loop:
+        state, global_batch = TrainState(), 64
+
+    hook.trainer = Loop()
+    for step in (1, 2):
+        Loop.state.global_step = step
+        hook.after_step()
+    hook.flush()
+    Loop.state.global_step = 3
+    hook.after_step()
+    hook.drop()  # rolled back
+    main["now"] = False
+    hook.after_step()
+    hook.flush()  # not rank 0: nothing written
+    steps = [json.loads(line)["global_step"] for line in path.read_text().splitlines()]
+    assert steps == [1, 2]
+
+
+def test_elastic_mode_is_read_from_horovodrun_environment(monkeypatch):
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    assert not elastic_launch()
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert elastic_launch()
+
+
+def test_rejoin_timeout_is_five_seconds_under_horovods(monkeypatch):
+    monkeypatch.delenv("HOROVOD_ELASTIC_TIMEOUT", raising=False)
+    assert rejoin_timeout() == 595
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "30")
+    assert rejoin_timeout() == 25
+    for bad in ("5", "soon"):
+        monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match=f"HOROVOD_ELASTIC_TIMEOUT='{bad}'"):
+            rejoin_timeout()
+
+
+def test_commit_every_must_be_positive():
+    assert load_config(None, []).train.commit_every == 10
+    with pytest.raises(ConfigError, match="train.commit_every"):
+        load_config(None, ["train.commit_every=0"])
