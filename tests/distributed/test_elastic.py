@@ -130,10 +130,10 @@ def check_exactly_the_plan(run: ElasticRun, steps: int) -> dict[int, dict]:
     assert sorted(trained) == list(range(1, steps + 1))
     for step, expected in enumerate(uninterrupted_plan(steps), start=1):
         assert trained[step]["ranks"] == list(range(trained[step]["size"])), (step, trained[step])
+        assert trained[step]["pairs"] == expected, f"global step {step} trained other samples than the plan"
     # A joiner that did not receive the state would train other parameters than the survivors.
     for step, runs in _parameters_per_run(run.records).items():
         assert all(len(values) == 1 for values in runs), f"ranks hold different parameters after global step {step}"
-        assert trained[step]["pairs"] == expected, f"global step {step} trained other samples than the plan"
     return trained
 
 
