@@ -52,7 +52,6 @@ import json
 import os
 import sys
 import threading
-import time
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Callable
@@ -250,29 +249,36 @@ class CommitHook(HookBase):
 
 
 class CommittedMetricsHook(HookBase):
-    """metrics.jsonl step records, buffered on every rank and appended by the current rank 0 at each commit.
+    """metrics.jsonl under Horovod elastic: the run's events, written by the current rank 0 at each commit.
 
-    After a reset the buffer (steps after the last commit) is dropped, so a
-    step replayed after a rollback is written once, by whichever process is
-    rank 0 when it is committed.
+    Every rank buffers the step records (and takes the per-epoch records of
+    the storage at the commit); after a reset the buffer, holding the steps
+    after the last commit, is dropped. So a step trained again after a
+    rollback is written once, by whichever process is rank 0 when it is
+    committed. Replaces :class:`~.hooks.MetricsLogHook`.
     """
 
     def __init__(self, path: Path, is_main: Callable[[], bool]) -> None:
         self.path, self.is_main = path, is_main
         self.pending: list[str] = []
+        self._cursor = 0
+
+    def before_train(self) -> None:
+        # Records already in the storage were written (a resumed run's history) or rolled back (a reset).
+        self._cursor = len(self.trainer.storage.records())
 
     def after_step(self) -> None:
-        state = self.trainer.state
-        self.pending.append(json.dumps(dict(
-            type="step", epoch=state.epoch, step=state.consumed, global_step=state.global_step, loss=state.loss,
-            lr=state.lr, images_per_sec=state.images_per_sec, global_batch=self.trainer.global_batch,
-            time=time.time())))
+        record = self.trainer.storage.latest_step
+        if record is not None:
+            self.pending.append(json.dumps(record))
 
     def flush(self) -> None:
-        """Called at a commit: the buffered steps are final."""
-        if self.pending and self.is_main():
+        """Called at a commit: the buffered steps and the records put since the last commit are final."""
+        records, self._cursor = self.trainer.storage.records_since(self._cursor)
+        lines = self.pending + [json.dumps(record) for record in records]
+        if lines and self.is_main():
             with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write("".join(f"{line}\n" for line in self.pending))
+                handle.write("".join(f"{line}\n" for line in lines))
         self.pending.clear()
 
     def drop(self) -> None:
@@ -344,7 +350,8 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     made: list[SamplerHandler] = []
 
     def sampler_handler(sampler: Any) -> SamplerHandler:
-        made.append(_as_state_handler(SamplerHandler)(sampler, position=trainer.sampler_position, rebuild=rebuild))
+        made.append(_as_state_handler(SamplerHandler)(sampler, position=lambda: trainer.state_dict()["sampler"],
+                                                      rebuild=rebuild))
         return made[-1]
 
     hvd_state.set_handler_registry(state_handlers(type(parts.sampler), sampler_handler))
@@ -365,7 +372,6 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     def body(state: Any) -> TrainState:
         # Synced: every rank holds rank 0's committed state and its own share for this world.
         state.save()
-        trainer.resume_sampler_state = trainer.sampler_position()
         before_start()
         return trainer.train()
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
+
+from pksampler.samplers._validate import SEED_LIMIT
 
 __all__ = [
     "ConfigError",
@@ -23,13 +25,11 @@ __all__ = [
     "positive_finite",
     "positive_int",
     "positive_int_list",
+    "memory",
     "seed",
 ]
 
 Rule = Callable[[str, Any], None]
-
-#: seeds feed numpy's SeedSequence and the int64 consistency fingerprint
-SEED_LIMIT = 2**63
 
 
 class ConfigError(ValueError):
@@ -61,6 +61,7 @@ def positive_int_list(path: str, value: Any) -> None:
 
 
 def seed(path: str, value: Any) -> None:
+    """A seed of the samplers' range (``SEED_LIMIT``: numpy's SeedSequence and the int64 fingerprint)."""
     if not _is_int(value) or not 0 <= value < SEED_LIMIT:
         raise ConfigError(f"{path}: must be an integer in [0, 2**63), got {value!r}")
 
@@ -111,3 +112,21 @@ def choice(options: Callable[[], Iterable[str]], *, prefixes: tuple[str, ...] = 
         raise ConfigError(f"{path}: must be one of {allowed}{extra}, got {value!r}")
 
     return rule
+
+
+#: ``loss.memory`` keys and their rules (cross-batch memory: :func:`pksampler.train.memory.build_memory`)
+MEMORY_KEYS: dict[str, Rule] = {"size": positive_int, "size_items": positive_int, "warmup_steps": int_at_least(0)}
+
+
+def memory(path: str, value: Any) -> None:
+    """``{size: M, warmup_steps: N}`` (or ``size_items`` instead of ``size``): known keys, exactly one size."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(MEMORY_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {sorted(MEMORY_KEYS)})")
+    for key, rule in MEMORY_KEYS.items():
+        if key in value:
+            rule(f"{path}.{key}", value[key])
+    if ("size" in value) == ("size_items" in value):
+        raise ConfigError(f"{path}: needs exactly one of size (batches) and size_items (rows), got {dict(value)!r}")

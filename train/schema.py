@@ -1,16 +1,26 @@
 """The run configuration's schema: frozen dataclasses whose fields carry their own rules.
 
-Every field that needs more than its type says so in ``metadata["rule"]``
-(see :mod:`pksampler.train.rules`); :func:`validate` walks the tree once and
-raises :class:`ConfigError` naming the dotted key, the value and the rule.
+This module answers "what is a valid config". Each field says, in its
+metadata:
+
+* ``rule``: what a value must be (see :mod:`pksampler.train.rules`);
+  :func:`validate` walks the tree once and raises :class:`ConfigError`
+  naming the dotted key, the value and the rule;
+* ``resumable``: a resumed run may change it (it takes effect from the
+  resumed step); every other key must match the checkpoint's config;
+* ``local``: ranks may disagree on it (per-host resources); every other key
+  must be the same on every rank.
+
+:func:`resumable_keys` and :func:`local_keys` read those flags for the
+checks in :mod:`pksampler.train.agreement`.
 Choice lists are not typed here: they come from the registries that
 implement them (data sources, samplers, norms, losses), so a new entry in a
 registry is a new valid value.
 
 The batch is configured globally: ``sampler.classes_per_step`` (G) classes
 of ``sampler.samples_per_class`` (K) images per global step; each of the W
-ranks takes P = G / W classes. The same file trains the same global batches
-at every world size that divides G.
+ranks takes P = G / W classes (ceil or floor of it when W does not divide
+G). The same file trains the same global batches at every world size up to G.
 """
 
 from __future__ import annotations
@@ -33,14 +43,18 @@ __all__ = [
     "RunConfig",
     "SamplerConfig",
     "TrainConfig",
+    "local_keys",
+    "resumable_keys",
     "validate",
 ]
 
 
-def _rule(default: Any, rule: rules.Rule, **kwargs: Any) -> Any:
+def _rule(default: Any, rule: rules.Rule | None, *, resumable: bool = False, local: bool = False) -> Any:
+    """A field with its rule and its resume/agreement flags (see the module docstring)."""
+    metadata = {"rule": rule, "resumable": resumable, "local": local}
     if callable(default) and not isinstance(default, (int, float, str, bool)):
-        return field(default_factory=default, metadata={"rule": rule}, **kwargs)
-    return field(default=default, metadata={"rule": rule}, **kwargs)
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -55,12 +69,12 @@ class DataConfig:
 
     name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
     args: Mapping[str, Any] = field(default_factory=lambda: {"num_classes": 160, "images_per_class": 16, "image_size": 48})
-    root: str | None = None
+    root: str | None = _rule(None, None, resumable=True)
     test_fraction: float = _rule(0.3, rules.open_interval(0.0, 1.0))
     image_size: int = _rule(40, rules.positive_int)
-    workers: int = _rule(1, rules.int_at_least(0))
+    workers: int = _rule(1, rules.int_at_least(0), resumable=True, local=True)
     split_seed: int = _rule(0, rules.seed)
-    max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0))
+    max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0), resumable=True)
 
 
 @dataclass(frozen=True)
@@ -104,7 +118,7 @@ class LossConfig:
     name: str = _rule("multi_similarity", rules.choice(lambda: _registry("loss"), prefixes=("pml.",)))
     args: Mapping[str, Any] = field(default_factory=dict)
     miner: Mapping[str, Any] | None = None
-    memory: Mapping[str, Any] | None = None
+    memory: Mapping[str, Any] | None = _rule(None, rules.optional(rules.memory))
 
 
 @dataclass(frozen=True)
@@ -123,32 +137,33 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = _rule(8, rules.positive_int)
-    device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")))
-    precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")))
+    epochs: int = _rule(8, rules.positive_int, resumable=True)
+    device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")), resumable=True)
+    precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")), resumable=True)
     gather_embeddings: bool = True
     fp16_allreduce: bool = False
     backward_passes_per_step: int = _rule(1, rules.positive_int)
-    eval_every: int = _rule(2, rules.positive_int)
-    checkpoint_every: int = _rule(50, rules.int_at_least(0))
-    resume: bool = True
-    threads: int = _rule(1, rules.positive_int)
-    max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)))
-    gallery_queries: int = _rule(8, rules.positive_int)
-    progress_every_seconds: float = _rule(30.0, rules.positive_finite)
-    tensorboard: bool | None = None  # None: on when the tensorboard package is installed
-    commit_every: int = _rule(10, rules.positive_int)  # Horovod elastic: in-memory commit every N global steps
+    eval_every: int = _rule(2, rules.positive_int, resumable=True)
+    checkpoint_every: int = _rule(50, rules.int_at_least(0), resumable=True)
+    resume: bool = _rule(True, None, resumable=True)
+    threads: int = _rule(1, rules.positive_int, resumable=True, local=True)
+    max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)), resumable=True)
+    gallery_queries: int = _rule(8, rules.positive_int, resumable=True)
+    progress_every_seconds: float = _rule(30.0, rules.positive_finite, resumable=True)
+    tensorboard: bool | None = _rule(None, None, resumable=True)  # None: on when the tensorboard package is installed
+    # Horovod elastic: in-memory commit every N global steps (train/elastic.py)
+    commit_every: int = _rule(10, rules.positive_int, resumable=True)
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")))
+    backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")), resumable=True)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     seed: int = _rule(0, rules.seed)
-    workspace: str = "workspace/demo"
+    workspace: str = _rule("workspace/demo", None, resumable=True)
     data: DataConfig = field(default_factory=DataConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -226,11 +241,25 @@ def _validate_combinations(config: RunConfig) -> None:
                 "sampler.classes_per_step (G) and sampler.samples_per_class (K), or sampler.triplets_per_step, "
                 "and each rank takes G / world_size classes"
             )
-    if loss.memory is not None:
-        unknown = sorted(set(loss.memory) - {"size", "size_items", "warmup_steps"})
-        if unknown:
-            raise ConfigError(f"loss.memory.{unknown[0]}: unknown key (known: ['size', 'size_items', 'warmup_steps'])")
-        for key in ("size", "size_items"):
-            if key in loss.memory:
-                rules.positive_int(f"loss.memory.{key}", loss.memory[key])
-        rules.int_at_least(0)("loss.memory.warmup_steps", loss.memory.get("warmup_steps", 0))
+
+
+def _flagged(config: Any, flag: str, prefix: str = "") -> frozenset[str]:
+    keys: set[str] = set()
+    for spec in dataclasses.fields(config):
+        path = f"{prefix}.{spec.name}" if prefix else spec.name
+        value = getattr(config, spec.name)
+        if dataclasses.is_dataclass(value):
+            keys |= _flagged(value, flag, path)
+        elif spec.metadata.get(flag, False):
+            keys.add(path)
+    return frozenset(keys)
+
+
+def resumable_keys() -> frozenset[str]:
+    """Dotted keys a resumed run may change (fields marked ``resumable``)."""
+    return _flagged(RunConfig(), "resumable")
+
+
+def local_keys() -> frozenset[str]:
+    """Dotted keys ranks may disagree on (fields marked ``local``); all others must agree."""
+    return _flagged(RunConfig(), "local")

@@ -16,6 +16,7 @@ from pksampler.train.elastic import (
     rejoin_timeout,
 )
 from pksampler.train.builders import build_sampler
+from pksampler.train.events import EventStorage
 from pksampler.train.schema import SamplerConfig
 from pksampler.train.trainer import TrainState
 
@@ -73,13 +74,12 @@ def test_sampler_handler_restores_the_saved_position():
 
 
 def test_train_state_rolls_back_in_place():
-    state = TrainState(global_step=4, consumed=4)
-    state.history["losses"].append(1.0)
+    state = TrainState(global_step=4, consumed=4, final_metrics={"recall_at_1": 0.5})
     handler = _TrainStateHandler(state)
     state.global_step, state.consumed, state.stop = 6, 6, True
-    state.history["losses"].append(2.0)
+    state.final_metrics["recall_at_1"] = 0.7
     handler.restore()
-    assert (state.global_step, state.consumed, state.stop, state.history["losses"]) == (4, 4, False, [1.0])
+    assert (state.global_step, state.consumed, state.stop, state.final_metrics) == (4, 4, False, {"recall_at_1": 0.5})
     assert handler.value is state
 
 
@@ -88,21 +88,26 @@ def test_metrics_are_written_once_at_commits_by_the_current_rank_zero(tmp_path):
     hook = CommittedMetricsHook(path, lambda: main["now"])
 
     class Loop:
-        state, global_batch = TrainState(), 64
+        storage = EventStorage()
 
     hook.trainer = Loop()
+    hook.before_train()
     for step in (1, 2):
-        Loop.state.global_step = step
+        Loop.storage.put_step(global_step=step, loss=0.5)
         hook.after_step()
+    Loop.storage.put_record("eval", epoch=1, global_step=2, recall_at_1=0.25)
     hook.flush()
-    Loop.state.global_step = 3
+    Loop.storage.put_step(global_step=3, loss=0.5)
     hook.after_step()
-    hook.drop()  # rolled back
+    Loop.storage.put_record("eval", epoch=2, global_step=3, recall_at_1=0.5)
+    hook.drop()  # a reset: step 3 and its epoch's evaluation are rolled back
+    hook.before_train()
     main["now"] = False
+    Loop.storage.put_step(global_step=3, loss=0.5)
     hook.after_step()
     hook.flush()  # not rank 0: nothing written
-    steps = [json.loads(line)["global_step"] for line in path.read_text().splitlines()]
-    assert steps == [1, 2]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["type"], r["global_step"]) for r in lines] == [("step", 1), ("step", 2), ("eval", 2)]
 
 
 def test_elastic_mode_is_read_from_horovodrun_environment(monkeypatch):
