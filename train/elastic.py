@@ -315,6 +315,26 @@ def _rejoin_with_deadline(seconds: float) -> None:
         timer.cancel()
 
 
+def _keep_hooks_open_across_resets(trainer: Trainer) -> None:
+    """Skip the hooks' ``after_train`` when a reset, not the end of training, leaves the loop.
+
+    The loop calls ``after_train`` on the way out of any exception; a reset
+    (a worker lost, hosts changed) re-enters it, and a hook that closed its
+    writer there (TensorBoard) would log nothing more.
+    """
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+    def guarded(after_train: Callable[[], None]) -> Callable[[], None]:
+        @functools.wraps(after_train)
+        def call() -> None:
+            if not isinstance(sys.exc_info()[1], (HorovodInternalError, HostsUpdatedInterrupt)):
+                after_train()
+        return call
+
+    for hook in trainer.hooks:
+        hook.after_train = guarded(hook.after_train)  # type: ignore[method-assign]
+
+
 def _refresh_world(trainer: Trainer, gather_wanted: bool) -> None:
     """The backend's rank and size after a reset; the gathered loss and the lr follow."""
     from pksampler import comm
@@ -368,6 +388,7 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     state.register_reset_callbacks([functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop,
                                     made[0].reshard])
     trainer.register([metrics, CommitHook(commit, every=commit_every)])
+    _keep_hooks_open_across_resets(trainer)
 
     def body(state: Any) -> TrainState:
         # Synced: every rank holds rank 0's committed state and its own share for this world.
