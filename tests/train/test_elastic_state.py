@@ -132,3 +132,33 @@ def test_commit_every_must_be_positive():
     assert load_config(None, []).train.commit_every == 10
     with pytest.raises(ConfigError, match="train.commit_every"):
         load_config(None, ["train.commit_every=0"])
+
+
+def test_a_reset_is_not_the_end_of_training_for_the_hooks():
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+
+    from pksampler.train.elastic import _keep_hooks_open_across_resets
+    from pksampler.train.trainer import HookBase
+
+    closed = []
+
+    class Closing(HookBase):
+        def after_train(self) -> None:
+            closed.append(True)
+
+    class Loop:
+        hooks = [Closing()]
+
+    _keep_hooks_open_across_resets(Loop)
+    with pytest.raises(HostsUpdatedInterrupt):
+        try:
+            raise HostsUpdatedInterrupt(False)
+        finally:
+            Loop.hooks[0].after_train()  # the loop's way out of a reset
+    assert closed == []
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("a real failure")
+        finally:
+            Loop.hooks[0].after_train()
+    assert closed == [True]
