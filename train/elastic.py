@@ -68,6 +68,7 @@ __all__ = [
     "ELASTIC_TIMEOUT_ENV",
     "SamplerHandler",
     "elastic_launch",
+    "loop_position",
     "rejoin_timeout",
     "run_elastic",
     "state_handlers",
@@ -335,6 +336,17 @@ def _keep_hooks_open_across_resets(trainer: Trainer) -> None:
         hook.after_train = guarded(hook.after_train)  # type: ignore[method-assign]
 
 
+def loop_position(trainer: Trainer) -> dict[str, Any]:
+    """The sampler's state at the loop's position: the epoch and the batches done in it, from :class:`TrainState`.
+
+    Read from the train state, which a reset restores and syncs with the
+    rest, not from the sampler's iterator: after a reset the sampler is new
+    and the loop's count of the interrupted iteration is stale.
+    """
+    state = trainer.state
+    return {**trainer.parts.sampler.state_dict(batches_consumed=0), "epoch": state.epoch, "step": state.consumed}
+
+
 def _refresh_world(trainer: Trainer, gather_wanted: bool) -> None:
     """The backend's rank and size after a reset; the gathered loss and the lr follow."""
     from pksampler import comm
@@ -370,7 +382,7 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     made: list[SamplerHandler] = []
 
     def sampler_handler(sampler: Any) -> SamplerHandler:
-        made.append(_as_state_handler(SamplerHandler)(sampler, position=lambda: trainer.state_dict()["sampler"],
+        made.append(_as_state_handler(SamplerHandler)(sampler, position=lambda: loop_position(trainer),
                                                       rebuild=rebuild))
         return made[-1]
 

@@ -162,3 +162,19 @@ def test_a_reset_is_not_the_end_of_training_for_the_hooks():
         finally:
             Loop.hooks[0].after_train()
     assert closed == [True]
+
+
+def test_the_saved_position_is_the_loops_not_the_samplers_iterator():
+    from types import SimpleNamespace
+
+    from pksampler.train.elastic import loop_position
+
+    sampler = _sampler(2, 1)
+    sampler.set_epoch(1)
+    next(iter(sampler))  # an interrupted iteration: the sampler ran ahead of the loop
+    loop = SimpleNamespace(state=TrainState(epoch=1, consumed=4), parts=SimpleNamespace(sampler=sampler))
+    assert (loop_position(loop)["epoch"], loop_position(loop)["step"]) == (1, 4)
+    loop.state.epoch, loop.state.consumed = 2, 0  # after an epoch, before the sampler's set_epoch
+    rebuilt = _sampler(4, 3)
+    rebuilt.load_state_dict(loop_position(loop))
+    assert (rebuilt.epoch, rebuilt.state_dict(0)["step"]) == (2, 0)
