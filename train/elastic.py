@@ -16,7 +16,7 @@ does not fit:
   the position. The global plan does not depend on the world size, so no
   global step is repeated or skipped (Horovod's ``ElasticSampler`` re-splits
   a shuffled index list and repeats samples, horovod#3399).
-* :class:`TrainState` (epoch, step, history) and the lr schedule: copies,
+* :class:`TrainState` (epoch, batches done, global step, best) and the lr schedule: copies,
   restored in place, broadcast from rank 0.
 * optimizers: the state dict is broadcast and loaded; Horovod's own handler
   first takes a zero-gradient step on a rank with an empty state (a
