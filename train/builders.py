@@ -27,6 +27,7 @@ from pksampler.datasets import (
 from pksampler.datasets.base import LabelledDataset
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
 
+from .finetune import parameter_groups
 from .rules import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
@@ -173,10 +174,17 @@ def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, r
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int,
-                    extra_parameters: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
-    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch."""
+                    extra_parameters: Iterable[torch.nn.Parameter] = (), *,
+                    freeze_backbone_steps: int = 0) -> torch.optim.Optimizer:
+    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch.
+
+    With ``optim.backbone_lr_scale`` != 1 or ``freeze_backbone_steps`` > 0 the
+    parameters form two groups, ``head`` at ``lr`` and ``backbone`` at
+    ``lr * backbone_lr_scale`` (:func:`.finetune.parameter_groups`).
+    """
     lr = optim.lr * global_batch / optim.base_batch
-    parameters = [*model.parameters(), *extra_parameters]
+    split = optim.backbone_lr_scale != 1.0 or freeze_backbone_steps > 0
+    parameters = parameter_groups(model, extra_parameters, lr, backbone_lr_scale=optim.backbone_lr_scale, split=split)
     if optim.name == "sgd":
         return torch.optim.SGD(parameters, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=optim.weight_decay)

@@ -19,6 +19,7 @@ __all__ = [
     "choice",
     "closed_interval",
     "int_at_least",
+    "non_empty_string",
     "non_negative_finite",
     "open_interval",
     "optional",
@@ -74,6 +75,11 @@ def positive_finite(path: str, value: Any) -> None:
 def non_negative_finite(path: str, value: Any) -> None:
     if not _is_real(value) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{path}: must be a finite number >= 0, got {value!r}")
+
+
+def non_empty_string(path: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: must be a non-empty string, got {value!r}")
 
 
 def open_interval(low: float, high: float) -> Rule:

@@ -36,6 +36,7 @@ from .builders import DataParts, build_data, build_optimizer, build_sampler, bui
 from .checkpoint import load_checkpoint, save_checkpoint
 from .distributed import Backend, make_backend
 from .events import EventStorage
+from .finetune import FreezeBackboneHook
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
     BadImageHook,
@@ -52,6 +53,7 @@ from .losses import build_loss
 from .memory import build_memory
 from .model import build_model
 from .plots import save_curves_png
+from .pretrained import load_pretrained
 from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
@@ -129,7 +131,7 @@ def _model(config: RunConfig, backend: Backend, model: torch.nn.Module | None) -
         raise ConfigError("model.norm: 'sync_batch' needs GPUs (Horovod's and torch's SyncBatchNorm refuse CPU "
                           f"tensors; this run is on {backend.device}); use 'group' or 'batch' on the CPU")
     norm_class = backend.sync_batch_norm() if config.model.norm == "sync_batch" else None
-    return backend.setup.prepare_model(build_model(config.model, norm_class))
+    return backend.setup.prepare_model(build_model(config.model, norm_class, image_size=config.data.image_size))
 
 
 def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any,
@@ -143,7 +145,8 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         raise ConfigError(str(error)) from None
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
-    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters())
+    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
+                                freeze_backbone_steps=config.model.freeze_backbone_steps)
     # Wrap before loading any state: Horovod's DistributedOptimizer is a new
     # optimizer built from the param groups and does not carry state over.
     train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
@@ -200,6 +203,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
                                       parts.sampler, backend, epochs=config.train.epochs))
     if hasattr(data.train, "bad_image_counts"):
         hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, is_main=is_main))
+    if config.model.freeze_backbone_steps:
+        hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     hooks += [
         checkpoints,
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,
@@ -265,6 +270,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         saved = _load_resume_state(config, backend, elastic)
         if saved is not None:
             trainer.load_state_dict(saved)
+        elif config.model.pretrained:
+            load_pretrained(parts.model, config.model.pretrained, backend, name=config.model.backbone)
         if not elastic:  # elastic: the state sync broadcasts everything
             backend.broadcast_state(parts.model, parts.optimizer)
     except BaseException:

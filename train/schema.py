@@ -97,15 +97,27 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Compact ResNet-style backbone with an L2-normalised embedding head."""
+    """A backbone with an L2-normalised embedding head (``pksampler.train.model``).
 
-    backbone: str = "resnet"  # resnet | torchvision:<name>
+    ``backbone``: ``resnet`` (the compact demo network; ``width`` and
+    ``depth`` apply to it alone), ``resnet18/34/50/101`` (torchvision's
+    names), ``vit_small_patch16`` / ``vit_base_patch16`` (timm's names) or
+    ``torchvision:<name>``. ``pretrained``: a ``.pth`` or ``.safetensors``
+    file of backbone weights. ``freeze_norm``: the backbone's BatchNorm
+    statistics and affine parameters stay as loaded. ``freeze_backbone_steps``:
+    the backbone is not updated for the first N optimizer steps.
+    """
+
+    backbone: str = _rule("resnet", rules.choice(lambda: _registry("backbone"), prefixes=("torchvision:",)))
     width: int = _rule(32, rules.positive_int)
     depth: tuple[int, ...] = _rule((1, 1, 1, 1), rules.positive_int_list)
     embedding_dim: int = _rule(64, rules.positive_int)
     norm: str = _rule("group", rules.choice(lambda: _registry("norm")))
     pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
     neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+    pretrained: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)  # read on a fresh start only
+    freeze_norm: bool = False
+    freeze_backbone_steps: int = _rule(0, rules.int_at_least(0))
 
 
 @dataclass(frozen=True)
@@ -125,7 +137,8 @@ class LossConfig:
 class OptimConfig:
     """AdamW or SGD. ``lr`` is for ``base_batch`` images per global step; the
     effective rate scales linearly with the global batch, after a linear
-    warm-up, then cosine decay."""
+    warm-up, then cosine decay. ``backbone_lr_scale``: the backbone's
+    parameters learn at ``lr * backbone_lr_scale`` (the head at ``lr``)."""
 
     name: str = _rule("adamw", rules.choice(lambda: ("adamw", "sgd")))
     lr: float = _rule(0.004, rules.positive_finite)
@@ -133,6 +146,7 @@ class OptimConfig:
     weight_decay: float = _rule(0.0005, rules.non_negative_finite)
     momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
     warmup_steps: int = _rule(30, rules.int_at_least(0))
+    backbone_lr_scale: float = _rule(1.0, rules.non_negative_finite)  # backbone group at lr * scale
 
 
 @dataclass(frozen=True)
@@ -198,6 +212,10 @@ def _registry(kind: str) -> tuple[str, ...]:
         from .model import NORMS
 
         return tuple(NORMS)
+    if kind == "backbone":
+        from .model import BACKBONES
+
+        return tuple(BACKBONES)
     if kind in ("pooling", "neck"):
         from .model import NECKS, POOLINGS
 
