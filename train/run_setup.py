@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -61,7 +61,8 @@ from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
 from .tensorboard import TensorBoardWriter, available as tensorboard_available
-from .trainer import StepParts, Trainer
+from .elastic import elastic_launch, run_elastic
+from .trainer import StepParts, Trainer, TrainState
 from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
 __all__ = ["CHECKPOINT_FORMAT", "Run", "TrainResult", "assemble", "main", "train"]
@@ -84,6 +85,11 @@ class Run:
     workspace: Path
     log: EventLog
     lock: WorkspaceLock | None
+    #: under Horovod elastic: trains inside hvd.elastic.run (see :mod:`.elastic`)
+    elastic: Callable[[], TrainState] | None = None
+
+    def train(self) -> TrainState:
+        return self.elastic() if self.elastic is not None else self.trainer.train()
 
     def close(self) -> None:
         self.log.close()
@@ -91,8 +97,12 @@ class Run:
             self.lock.release()
 
 
-def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None, DataParts, Any]:
-    """Workspace (rank 0), data and sampler; any rank's ConfigError is raised on every rank."""
+def _prepare(config: RunConfig, backend: Backend, elastic: bool) -> tuple[WorkspaceLock | None, DataParts, Any]:
+    """Workspace (rank 0), data and sampler; any rank's ConfigError is raised on every rank.
+
+    Under Horovod elastic nothing collective runs before ``hvd.elastic.run``
+    (a joiner would meet the survivors' state sync): each rank raises its own.
+    """
     lock, error, data, sampler = None, None, None, None
     try:
         if backend.rank == 0:
@@ -102,7 +112,10 @@ def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None,
     except ConfigError as caught:
         error = caught
     try:
-        raise_together(backend, error)
+        if elastic and error is not None:
+            raise error
+        if not elastic:
+            raise_together(backend, error)
     except ConfigError:
         if lock is not None:
             lock.release()
@@ -152,8 +165,11 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
     )
 
 
-def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | None:
-    """Rank 0 reads and checks ``last.pt``; every rank receives it (or the same error)."""
+def _load_resume_state(config: RunConfig, backend: Backend, elastic: bool) -> dict[str, Any] | None:
+    """Rank 0 reads and checks ``last.pt``; every rank receives it (or the same error).
+
+    Under Horovod elastic rank 0 alone holds it; the elastic state sync sends it.
+    """
     path = Path(config.workspace) / "checkpoints" / "last.pt"
     state, error = None, None
     if config.train.resume and backend.rank == 0 and path.is_file():
@@ -170,6 +186,10 @@ def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | 
                                       "diverged); resume from an earlier copy or start afresh with --no-resume")
         except ConfigError as caught:
             error, state = caught, None
+    if elastic:
+        if error is not None:
+            raise error
+        return state
     raise_together(backend, error)
     return backend.broadcast_object(state, name="pksampler.resume_state") if backend.size > 1 else state
 
@@ -203,7 +223,9 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
                        gallery=lambda: evaluator.last_gallery),
     ]
     if is_main:
-        hooks += [FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs), MetricsLogHook(log)]
+        hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs))
+        if not elastic_launch():  # under Horovod elastic, lines are written at commits (elastic.CommittedMetricsHook)
+            hooks.append(MetricsLogHook(log))
         if _tensorboard_wanted(config.train.tensorboard):
             hooks.append(TensorBoardHook(TensorBoardWriter(workspace)))
     return hooks
@@ -247,14 +269,16 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     """Build every part of a run; the config is read here and nowhere else."""
     torch.set_num_threads(config.train.threads)
     torch.manual_seed(config.seed)
-    lock, data, sampler = _prepare(config, backend)
+    elastic = elastic_launch() and backend.name == "horovod"
+    lock, data, sampler = _prepare(config, backend, elastic)
     try:
         # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
         # labels compared here, so the sampler's own consistency check would only repeat it.
-        check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
+        if not elastic:  # elastic: in each new world, inside hvd.elastic.run
+            check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
         parts = _step_parts(config, backend, data, sampler, model)
         trainer = Trainer(parts, [])
-        saved = _load_resume_state(config, backend)
+        saved = _load_resume_state(config, backend, elastic)
         if saved is not None:
             try:
                 trainer.load_state_dict(saved)
@@ -265,7 +289,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
                                       "or another WORKSPACE") from None
         elif config.model.pretrained:
             load_pretrained(parts.model, config.model.pretrained, backend, name=config.model.backbone)
-        backend.broadcast_state(parts.model, parts.optimizer)
+        if not elastic:  # elastic: the state sync broadcasts everything
+            backend.broadcast_state(parts.model, parts.optimizer)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -283,16 +308,28 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
     # Rank 0 alone writes: a host copy of the state now, the file in a background thread.
-    writer = CheckpointWriter() if is_main else None
+    writer = CheckpointWriter() if is_main or elastic else None
 
     def write(name: str, checkpoint: dict[str, Any]) -> None:
+        if backend.rank != 0:  # under Horovod elastic every rank builds it and whoever is rank 0 now writes
+            return
         writer.save(workspace / "checkpoints" / name, checkpoint)
 
     checkpoints = CheckpointHook(write, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
-                                 metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()}, is_main=is_main,
-                                 finish=writer.close if writer is not None else None)
+                                 metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()},
+                                 is_main=is_main or elastic, finish=writer.close if writer is not None else None)
     trainer.register([*_hooks(config, trainer, data, log, checkpoints), *extra_hooks])
-    return Run(trainer, workspace, log, lock)
+    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data) if elastic else None)
+
+
+def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts) -> Callable[[], TrainState]:
+    """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world."""
+    backend = trainer.parts.backend
+    return lambda: run_elastic(
+        trainer, commit_every=config.train.commit_every,
+        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed),
+        gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
+        before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
 
 
 def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,
@@ -321,7 +358,7 @@ def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] =
     """
     run = assemble(config, backend, extra_hooks, model=model)
     try:
-        state = run.trainer.train()
+        state = run.train()
     finally:
         run.close()
     return TrainResult(state.global_step, state.epoch, state.final_metrics, run.workspace)

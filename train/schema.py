@@ -172,6 +172,8 @@ class TrainConfig:
     # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
     # (Horovod tensor fusion off, deterministic torch kernels, seeded loader workers; see train/device.py).
     deterministic: bool = _rule(False, rules.boolean, resumable=True)
+    # Horovod elastic: in-memory commit every N global steps (train/elastic.py)
+    commit_every: int = _rule(10, rules.positive_int, resumable=True)
 
 
 @dataclass(frozen=True)

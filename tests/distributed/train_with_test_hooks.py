@@ -13,6 +13,12 @@ writing under that folder (Python's audit hooks see every ``open`` and
 ``os.open``) and, after training, prints one ``[audit]`` line: rank, local
 rank, pid, the device its local rank selects on a host with two GPUs, the
 determinism settings it ran with and the files it wrote.
+``PKSAMPLER_TEST_CRASH_JOINER=1``: a process that joined a running Horovod
+elastic job (its first step is not the run's first) exits with status 3
+after its first step.
+``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
+sample indices it trained to ``folder/<pid>.jsonl`` (needs
+``data.workers=0``, so the images are fetched in the rank's own process).
 """
 
 from __future__ import annotations
@@ -99,6 +105,65 @@ class WritePid(HookBase):
 
     def before_train(self) -> None:
         (self.folder / f"{world_info()[0]}.pid").write_text(str(os.getpid()))
+class CrashJoiner(HookBase):
+    def __init__(self) -> None:
+        self.joined: bool | None = None
+
+    def before_train(self) -> None:
+        if self.joined is None:
+            self.joined = self.trainer.state.global_step > 0
+
+    def after_step(self) -> None:
+        if self.joined:
+            print(f"[test] joiner {os.getpid()}: simulated crash at step {self.trainer.state.global_step}", flush=True)
+            os._exit(3)
+
+
+class _RecordingDataset:
+    """The training set, noting every index fetched (in the loop's process when data.workers=0)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.fetched = inner, []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        self.fetched.append(int(index))
+        return self.inner[index]
+
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class RecordBatches(HookBase):
+    """Per global step, the indices this rank trained, the world it ran in and when that world started."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / f"{os.getpid()}.jsonl"
+        self.world_started = 0.0
+
+    def before_train(self) -> None:
+        parts = self.trainer.parts
+        if not isinstance(parts.train_set, _RecordingDataset):
+            parts.train_set = _RecordingDataset(parts.train_set)
+        parts.train_set.fetched.clear()
+        # One stamp per world (rank 0's clock), so a test can tell a replayed step's last run.
+        self.world_started = parts.backend.broadcast_object(time.time(), name="pksampler.test.world")
+
+    def after_step(self) -> None:
+        parts, state = self.trainer.parts, self.trainer.state
+        record = dict(global_step=state.global_step, epoch=state.epoch, step=state.consumed, rank=parts.backend.rank,
+                      size=parts.backend.size, world_started=self.world_started,
+                      indices=sorted(parts.train_set.fetched),
+                      parameters=float(sum(p.detach().double().sum() for p in parts.model.parameters())),
+                      time=time.time())
+        parts.train_set.fetched.clear()
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(record) + "\n")
 
 
 def _arguments() -> tuple[list[str], list[HookBase]]:
@@ -117,6 +182,10 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(WritePid(os.environ["PKSAMPLER_TEST_PIDS"]))
     if os.environ.get("PKSAMPLER_TEST_AUDIT"):
         hooks.append(Audit(os.environ["PKSAMPLER_TEST_AUDIT"]))
+    if os.environ.get("PKSAMPLER_TEST_CRASH_JOINER"):
+        hooks.append(CrashJoiner())
+    if os.environ.get("PKSAMPLER_TEST_RECORD"):
+        hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
     if variant:
         rank, setting = variant.split(":", 1)

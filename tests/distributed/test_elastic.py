@@ -1,0 +1,183 @@
+"""Horovod elastic on one machine: hosts ``localhost`` and ``127.0.0.1`` come and go through a discovery script.
+
+Horovod's own test pattern: the discovery script prints a file that the test
+rewrites while the job runs. Pass criteria: every global step is in
+metrics.jsonl once, and the samples every committed step trained are those
+of the uninterrupted plan (computed here with the sampler at one rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from launch import HOROVODRUN, ROOT
+
+pytestmark = pytest.mark.horovod
+
+SCRIPT = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
+TWO_HOSTS = "localhost:2\n127.0.0.1:2\n"
+ONE_HOST = "localhost:2\n"
+#: every run: the default config, few steps, images fetched in the rank's process (recorded)
+SETTINGS = ("train.max_steps=12", "train.commit_every=2", "data.workers=0", "train.tensorboard=false")
+
+
+@dataclass
+class ElasticRun:
+    returncode: int
+    output: str
+    changed_at: float  # when the discovery script's answer changed
+    ended_at: float
+    workspace: Path
+    records: Path
+
+
+def run_elastic(tmp_path: Path, *, hosts: str, then: str, np: int, min_np: int, max_np: int, after_step: int,
+                timeout: float = 420.0, env: dict[str, str] | None = None) -> ElasticRun:
+    """``horovodrun`` elastic over a discovery script printing ``hosts``, switched to ``then`` after a step."""
+    hosts_file, script = tmp_path / "hosts.txt", tmp_path / "discover.sh"
+    hosts_file.write_text(hosts)
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+    workspace, records = tmp_path / "ws", tmp_path / "records"
+    records.mkdir()
+    command = [str(HOROVODRUN), "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
+               "--host-discovery-script", str(script), "--network-interface", "lo", "--start-timeout", "120",
+               sys.executable, str(SCRIPT), "--set", f"workspace={workspace}",
+               *(arg for setting in SETTINGS for arg in ("--set", setting))]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
+                "PKSAMPLER_TEST_RECORD": str(records), **(env or {})}
+    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    deadline, changed_at = time.monotonic() + timeout, float("nan")
+    try:
+        while process.poll() is None and time.monotonic() < deadline:
+            if _steps_logged(workspace) >= after_step:
+                hosts_file.write_text(then)
+                changed_at = time.time()
+                break
+            time.sleep(0.5)
+        output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1.0))
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, 9)
+        output, _ = process.communicate()
+        raise AssertionError(f"elastic run timed out after {timeout}s:\n{output[-6000:]}") from None
+    return ElasticRun(process.returncode, output, changed_at, time.time(), workspace, records)
+
+
+def _steps_logged(workspace: Path) -> int:
+    path = workspace / "metrics.jsonl"
+    return path.read_text().count('"type": "step"') if path.is_file() else 0
+
+
+def _logged_steps(workspace: Path) -> list[int]:
+    lines = (workspace / "metrics.jsonl").read_text().splitlines()
+    return [record["global_step"] for record in map(json.loads, lines) if record["type"] == "step"]
+
+
+def uninterrupted_plan(steps: int) -> list[list[tuple[int, int]]]:
+    """(epoch, sample index) pairs of global steps 1..steps: the sampler at one rank, the run's config."""
+    from pksampler.train.builders import build_data, build_sampler
+    from pksampler.train.config import load_config
+
+    config = load_config(ROOT / "configs" / "demo.yaml", list(SETTINGS))
+    sampler = build_sampler(config.sampler, build_data(config).train.labels, 1, 0, config.seed)
+    plan, epoch = [], 0
+    while len(plan) < steps:
+        sampler.set_epoch(epoch)
+        plan += [sorted((epoch, int(i)) for i in batch) for batch in sampler]
+        epoch += 1
+    return plan[:steps]
+
+
+def committed_steps(records: Path) -> dict[int, dict]:
+    """Per global step, what the last world that ran it trained: its size and the (epoch, index) pairs of all ranks.
+
+    A step run again after a rollback is recorded twice; the later world's run is the one kept.
+    """
+    runs: dict[int, dict[float, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for path in records.glob("*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            runs[record["global_step"]][record["world_started"]].append(record)
+    steps = {}
+    for step, worlds in runs.items():
+        last = worlds[max(worlds)]
+        steps[step] = dict(size=last[0]["size"], ranks=sorted(r["rank"] for r in last), runs=len(worlds),
+                           pairs=sorted((r["epoch"], i) for r in last for i in r["indices"]))
+    return steps
+
+
+def _parameters_per_run(records: Path) -> dict[int, list[set[float]]]:
+    """Per global step and world that ran it (rolled back or not), the parameter sums its ranks reported."""
+    runs: dict[int, dict[float, set[float]]] = defaultdict(lambda: defaultdict(set))
+    for path in records.glob("*.jsonl"):
+        for record in map(json.loads, path.read_text().splitlines()):
+            runs[record["global_step"]][record["world_started"]].add(record["parameters"])
+    return {step: list(worlds.values()) for step, worlds in runs.items()}
+
+
+def check_exactly_the_plan(run: ElasticRun, steps: int) -> dict[int, dict]:
+    assert run.returncode == 0, run.output[-6000:]
+    assert _logged_steps(run.workspace) == list(range(1, steps + 1)), run.output[-3000:]
+    trained = committed_steps(run.records)
+    assert sorted(trained) == list(range(1, steps + 1))
+    for step, expected in enumerate(uninterrupted_plan(steps), start=1):
+        assert trained[step]["ranks"] == list(range(trained[step]["size"])), (step, trained[step])
+        assert trained[step]["pairs"] == expected, f"global step {step} trained other samples than the plan"
+    # A joiner that did not receive the state would train other parameters than the survivors.
+    for step, runs in _parameters_per_run(run.records).items():
+        assert all(len(values) == 1 for values in runs), f"ranks hold different parameters after global step {step}"
+    return trained
+
+
+def _report(name: str, run: ElasticRun, trained: dict[int, dict]) -> None:
+    """Measurements for README: steps run again, and how long the change took to reach a new world."""
+    replayed = [step for step, info in trained.items() if info["runs"] > 1]
+    sizes = [trained[step]["size"] for step in sorted(trained)]
+    records = [json.loads(line) for path in run.records.glob("*.jsonl") for line in path.read_text().splitlines()]
+    worlds = sorted({r["world_started"] for r in records})
+    last_of_first = max(r["time"] for r in records if r["world_started"] == worlds[0])
+    print(f"[elastic] {name}: world sizes per step {sizes}; steps run twice {replayed}; change to new world "
+          f"{worlds[-1] - run.changed_at:.1f} s; last step of the old world to new world "
+          f"{worlds[-1] - last_of_first:.1f} s", flush=True)
+
+
+def test_a_removed_host_leaves_the_survivors_training_the_same_plan(tmp_path):
+    run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=2, max_np=4, after_step=4)
+    trained = check_exactly_the_plan(run, 12)
+    assert trained[1]["size"] == 4 and trained[12]["size"] == 2, {s: t["size"] for s, t in trained.items()}
+    _report("host removed", run, trained)
+
+
+def test_an_added_host_receives_the_state_and_its_crash_rolls_back_to_the_last_commit(tmp_path):
+    # The joiners train one step in a world of 4, then die: the survivors roll back to the last commit,
+    # Horovod drops the failed host, and the steps after the commit are trained again at 2. A survivor
+    # whose pending receive was from a dead peer's neighbour notices only at Gloo's timeout (90 s here).
+    run = run_elastic(tmp_path, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3,
+                      env={"PKSAMPLER_TEST_CRASH_JOINER": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "90"})
+    trained = check_exactly_the_plan(run, 12)
+    sizes = {step: info["size"] for step, info in trained.items()}
+    assert sizes[1] == 2 and sizes[12] == 2, sizes
+    assert "simulated crash" in run.output
+    replayed = [step for step, info in trained.items() if info["runs"] > 1]
+    assert replayed, "the step the joiner crashed in was not trained again"
+    _report("host added, then a joiner crashed", run, trained)
+
+
+def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_path):
+    # Horovod alone would wait HOROVOD_ELASTIC_TIMEOUT (600 s by default) and then blame a worker's exit status.
+    run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=4, max_np=4, after_step=2,
+                      env={"HOROVOD_ELASTIC_TIMEOUT": "30"})
+    took = run.ended_at - run.changed_at
+    print(f"[elastic] below --min-np: the job ended {took:.1f} s after the host left", flush=True)
+    assert run.returncode != 0, run.output[-3000:]
+    assert "[pksampler] error: Horovod elastic: no new world within 25 s" in run.output, run.output[-3000:]
+    assert "fewer slots than --min-np" in run.output
+    assert took < 60, f"the job took {took:.0f} s to end after the host left"

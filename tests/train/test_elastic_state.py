@@ -1,0 +1,180 @@
+"""Horovod elastic state, in one process: the sampler handler re-derives every rank's share for a new world."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pksampler.train.config import ConfigError, load_config
+from pksampler.train.elastic import (
+    CommittedMetricsHook,
+    SamplerHandler,
+    _TrainStateHandler,
+    elastic_launch,
+    rejoin_timeout,
+)
+from pksampler.train.builders import build_sampler
+from pksampler.train.events import EventStorage
+from pksampler.train.schema import SamplerConfig
+from pksampler.train.trainer import TrainState
+
+LABELS = np.repeat(np.arange(40), 6)
+CONFIG = SamplerConfig(classes_per_step=8, samples_per_class=2)
+
+
+def _sampler(world: int, rank: int):
+    return build_sampler(CONFIG, LABELS, world, rank, 3)
+
+
+def _global_steps(world: int, epoch: int, start: int = 0) -> list[list[int]]:
+    """Global steps of ``epoch`` from ``start``: the rank batches of every rank, concatenated and sorted."""
+    ranks = []
+    for rank in range(world):
+        sampler = _sampler(world, rank)
+        sampler.set_epoch(epoch)
+        sampler.load_state_dict({**sampler.state_dict(), "step": start})
+        ranks.append(list(sampler))
+    return [sorted(i for batches in step for i in batches) for step in zip(*ranks)]
+
+
+@pytest.mark.parametrize("old, new", [(4, 2), (2, 4), (4, 1), (1, 8)])
+def test_reshard_continues_the_same_global_steps_at_another_world_size(old, new):
+    consumed, epoch = 3, 1
+    handlers = []
+    for rank in range(new):
+        sampler = _sampler(old, rank % old)
+        sampler.set_epoch(epoch)
+        position = {**sampler.state_dict(batches_consumed=0), "step": consumed}
+
+        def rebuild(state, rank=rank):
+            rebuilt = _sampler(new, rank)
+            rebuilt.load_state_dict(state)
+            return rebuilt
+
+        handler = SamplerHandler(sampler, position=lambda position=position: position, rebuild=rebuild)
+        handler.reshard()
+        handlers.append(handler)
+    after = [sorted(i for batch in step for i in batch) for step in zip(*(list(h.value) for h in handlers))]
+    assert after == _global_steps(1, epoch, consumed)
+    assert all(h.value.num_replicas == new for h in handlers)
+
+
+def test_sampler_handler_restores_the_saved_position():
+    sampler = _sampler(2, 0)
+    state = {"step": 2}
+    handler = SamplerHandler(sampler, position=lambda: {**sampler.state_dict(0), **state}, rebuild=lambda s: sampler)
+    state["step"] = 5
+    handler.restore()
+    assert sampler.state_dict(0)["step"] == 2
+    handler.save()
+    handler.restore()
+    assert sampler.state_dict(0)["step"] == 5
+
+
+def test_train_state_rolls_back_in_place():
+    state = TrainState(global_step=4, consumed=4, final_metrics={"recall_at_1": 0.5})
+    handler = _TrainStateHandler(state)
+    state.global_step, state.consumed, state.stop = 6, 6, True
+    state.final_metrics["recall_at_1"] = 0.7
+    handler.restore()
+    assert (state.global_step, state.consumed, state.stop, state.final_metrics) == (4, 4, False, {"recall_at_1": 0.5})
+    assert handler.value is state
+
+
+def test_metrics_are_written_once_at_commits_by_the_current_rank_zero(tmp_path):
+    path, main = tmp_path / "metrics.jsonl", {"now": True}
+    hook = CommittedMetricsHook(path, lambda: main["now"])
+
+    class Loop:
+        storage = EventStorage()
+
+    hook.trainer = Loop()
+    hook.before_train()
+    for step in (1, 2):
+        Loop.storage.put_step(global_step=step, loss=0.5)
+        hook.after_step()
+    Loop.storage.put_record("eval", epoch=1, global_step=2, recall_at_1=0.25)
+    hook.flush()
+    Loop.storage.put_step(global_step=3, loss=0.5)
+    hook.after_step()
+    Loop.storage.put_record("eval", epoch=2, global_step=3, recall_at_1=0.5)
+    hook.drop()  # a reset: step 3 and its epoch's evaluation are rolled back
+    hook.before_train()
+    main["now"] = False
+    Loop.storage.put_step(global_step=3, loss=0.5)
+    hook.after_step()
+    hook.flush()  # not rank 0: nothing written
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["type"], r["global_step"]) for r in lines] == [("step", 1), ("step", 2), ("eval", 2)]
+
+
+def test_elastic_mode_is_read_from_horovodrun_environment(monkeypatch):
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    assert not elastic_launch()
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    assert elastic_launch()
+
+
+def test_rejoin_timeout_is_five_seconds_under_horovods(monkeypatch):
+    monkeypatch.delenv("HOROVOD_ELASTIC_TIMEOUT", raising=False)
+    assert rejoin_timeout() == 595
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "30")
+    assert rejoin_timeout() == 25
+    for bad in ("5", "soon"):
+        monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match=f"HOROVOD_ELASTIC_TIMEOUT='{bad}'"):
+            rejoin_timeout()
+
+
+def test_commit_every_must_be_positive():
+    assert load_config(None, []).train.commit_every == 10
+    with pytest.raises(ConfigError, match="train.commit_every"):
+        load_config(None, ["train.commit_every=0"])
+
+
+def test_a_reset_is_not_the_end_of_training_for_the_hooks():
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+
+    from pksampler.train.elastic import _keep_hooks_open_across_resets
+    from pksampler.train.trainer import HookBase
+
+    closed = []
+
+    class Closing(HookBase):
+        def after_train(self) -> None:
+            closed.append(True)
+
+    class Loop:
+        hooks = [Closing()]
+
+    _keep_hooks_open_across_resets(Loop)
+    with pytest.raises(HostsUpdatedInterrupt):
+        try:
+            raise HostsUpdatedInterrupt(False)
+        finally:
+            Loop.hooks[0].after_train()  # the loop's way out of a reset
+    assert closed == []
+    with pytest.raises(RuntimeError):
+        try:
+            raise RuntimeError("a real failure")
+        finally:
+            Loop.hooks[0].after_train()
+    assert closed == [True]
+
+
+def test_the_saved_position_is_the_loops_not_the_samplers_iterator():
+    from types import SimpleNamespace
+
+    from pksampler.train.elastic import loop_position
+
+    sampler = _sampler(2, 1)
+    sampler.set_epoch(1)
+    next(iter(sampler))  # an interrupted iteration: the sampler ran ahead of the loop
+    loop = SimpleNamespace(state=TrainState(epoch=1, consumed=4), parts=SimpleNamespace(sampler=sampler))
+    assert (loop_position(loop)["epoch"], loop_position(loop)["step"]) == (1, 4)
+    loop.state.epoch, loop.state.consumed = 2, 0  # after an epoch, before the sampler's set_epoch
+    rebuilt = _sampler(4, 3)
+    rebuilt.load_state_dict(loop_position(loop))
+    assert (rebuilt.epoch, rebuilt.state_dict(0)["step"]) == (2, 0)
