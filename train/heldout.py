@@ -8,6 +8,7 @@ result gallery from the neighbours that evaluation already found.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,6 +17,7 @@ from torch.utils.data import DataLoader, Subset
 from pksampler.datasets import LabelledSubset
 
 from .distributed import Backend
+from .loader import to_model_input
 from .metrics import evaluate_retrieval
 from .render import save_gallery_png
 from .workspace import EventLog
@@ -24,8 +26,13 @@ __all__ = ["HeldOutEvaluator", "embed"]
 
 
 def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, batch_size: int = 128,
-          workers: int = 0) -> np.ndarray:
-    """Embeddings of every item of ``dataset`` (float32, host memory), the same on every rank."""
+          workers: int = 0, *, view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
+    """Embeddings of every item of ``dataset`` (float32, host memory), the same on every rank.
+
+    With ``view`` (e.g. :class:`~pksampler.datasets.CenterView`) the dataset
+    yields uint8 images and ``view`` makes the model's input on the device;
+    without it the batches already are the model's input.
+    """
     setup = backend.setup
     count = len(dataset)
     per_rank = -(-count // backend.size)
@@ -37,8 +44,9 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
     model.eval()
     with torch.no_grad():
         for images, _ in loader:
+            inputs = setup.to_device(images) if view is None else to_model_input(images, setup, view)
             with setup.autocast():
-                parts.append(model(setup.to_device(images)).float())
+                parts.append(model(inputs).float())
     local = torch.cat(parts) if parts else torch.zeros(0, 1, device=setup.device)
     gathered = backend.allgather(local).cpu().numpy()  # (W * per_rank, D): rank-major
     order = np.arange(backend.size)[:, None] + backend.size * np.arange(per_rank)[None, :]
@@ -52,13 +60,15 @@ class HeldOutEvaluator:
     """Recall@K, MAP@R etc. on held-out classes, a result gallery PNG and a log record per call."""
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
-                 galleries: Path, gallery_queries: int, log: EventLog) -> None:
+                 galleries: Path, gallery_queries: int, log: EventLog,
+                 view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
+        self.view = view
         self.galleries, self.gallery_queries, self.log = galleries, gallery_queries, log
         self.last_gallery: Path | None = None
 
     def __call__(self, epoch: int, global_step: int = 0) -> dict[str, float]:
-        embeddings = embed(self.model, self.test_set, self.backend)
+        embeddings = embed(self.model, self.test_set, self.backend, view=self.view)
         if self.backend.rank != 0:
             return {}
         labels = self.test_set.labels

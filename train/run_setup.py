@@ -39,6 +39,7 @@ from .hooks import (
     ProgressHook,
     TensorBoardHook,
 )
+from .loader import TrainLoader
 from .losses import build_loss
 from .memory import build_memory
 from .model import build_model
@@ -61,6 +62,8 @@ class Run:
     lock: WorkspaceLock | None
 
     def close(self) -> None:
+        if self.trainer.parts.loader is not None:
+            self.trainer.parts.loader.close()
         self.log.close()
         if self.lock is not None:
             self.lock.release()
@@ -112,6 +115,7 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         sampler=sampler, train_set=data.train, epochs=config.train.epochs, global_batch=global_batch,
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
         scaler=backend.setup.grad_scaler(),
+        loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
     )
 
 
@@ -166,7 +170,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     is_main = backend.rank == 0
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
-                                 gallery_queries=config.train.gallery_queries, log=log)
+                                 gallery_queries=config.train.gallery_queries, log=log, view=data.view)
     hooks: list[HookBase] = [
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), save,
                        every=config.train.eval_every, epochs=config.train.epochs, is_main=is_main),
@@ -202,10 +206,11 @@ def _save_curves(path: Path, history: dict[str, list]) -> None:
 
 def _refresh_hard_negatives(parts: StepParts, data: DataParts, image_size: int) -> None:
     """Embed the training images (no augmentation) and give the sampler a fresh class-neighbour table."""
-    from pksampler.datasets import LabelledSubset, eval_preset
+    from pksampler.datasets import LabelledSubset
 
-    plain = LabelledSubset(data.dataset, data.train.indices, transform=eval_preset(image_size))
-    embeddings = embed(parts.model, plain, parts.backend)
+    # The test subset's uint8 path and device view: no augmentation.
+    plain = LabelledSubset(data.dataset, data.train.indices, transform=data.test.transform)
+    embeddings = embed(parts.model, plain, parts.backend, view=data.view)
     parts.sampler.update_class_neighbours(embeddings, plain.labels, broadcast=lambda table: parts.backend.broadcast_object(
         table, name="pksampler.class_neighbours"))
 

@@ -72,6 +72,7 @@ class StepParts:
     gather: bool = True
     passes: int = 1
     scaler: torch.amp.GradScaler | None = None
+    loader: Any = None  # a TrainLoader yielding (model inputs, labels) per epoch; None: a DataLoader per epoch
 
 
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +134,11 @@ class Trainer:
         if self.resume_sampler_state is not None and self.resume_sampler_state["epoch"] == state.epoch:
             parts.sampler.load_state_dict(self.resume_sampler_state)  # continue mid-epoch
         self.resume_sampler_state = None
-        loader = torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
-                                             pin_memory=parts.backend.setup.pin_memory)
+        if parts.loader is not None:  # built once: persistent workers, augmentation on the device
+            loader = parts.loader.epoch(state.epoch)
+        else:
+            loader = torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler,
+                                                 num_workers=parts.workers, pin_memory=parts.backend.setup.pin_memory)
         batches, started, done = parts.sampler.num_batches, time.perf_counter(), 0
         for images, labels in loader:
             last_of_window = (state.consumed + 1) % parts.passes == 0 or state.consumed + 1 == batches
