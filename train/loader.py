@@ -19,11 +19,11 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from .device import DeviceSetup
 
-__all__ = ["EpochBatches", "KeyedSamples", "TrainLoader", "to_model_input"]
+__all__ = ["EpochBatches", "KeyedSamples", "TrainLoader", "collate_channels_last", "to_model_input"]
 
 
 class KeyedSamples(Dataset):
@@ -77,6 +77,18 @@ class EpochBatches:
         return len(self.batch_sampler)  # type: ignore[arg-type]
 
 
+def collate_channels_last(samples: list[tuple[torch.Tensor, int, int]]) -> list[torch.Tensor]:
+    """``default_collate`` of ``(image, label, key)`` with the images stacked pixel-major.
+
+    ``ToUint8`` images are (3, S, S) views of (S, S, 3) pixel memory; stacking
+    that memory is a plain copy into the worker's shared-memory batch, where
+    stacking the views would transpose every image. The batch is
+    ``(N, 3, S, S)`` in the channels-last layout (what the model uses on GPUs).
+    """
+    images, labels, keys = default_collate([(image.permute(1, 2, 0), label, key) for image, label, key in samples])
+    return [images.permute(0, 3, 1, 2), labels, keys]
+
+
 def to_model_input(images: torch.Tensor, setup: DeviceSetup, transform: Callable[[torch.Tensor], torch.Tensor]
                    ) -> torch.Tensor:
     """A uint8 batch moved to the rank's device, through ``transform``, in the model's memory format."""
@@ -104,7 +116,8 @@ class TrainLoader:
         self.augment, self.setup = augment, setup
         self.batches = EpochBatches(batch_sampler)
         self.loader = DataLoader(KeyedSamples(dataset), batch_sampler=self.batches, num_workers=workers,
-                                 pin_memory=setup.pin_memory, persistent_workers=workers > 0)
+                                 collate_fn=collate_channels_last, pin_memory=setup.pin_memory,
+                                 persistent_workers=workers > 0)
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of the sampler's current pass, augmented with the keys of ``epoch``."""
