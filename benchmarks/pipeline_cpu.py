@@ -75,7 +75,21 @@ def floor_seconds(paths: list[str]) -> float:
     return (time.process_time() - started) / len(paths)
 
 
-def _loader(case: str, folder: Path, shards: Path, batches: list[list[int]], workers: int):
+class _FloorImages:
+    """The floor as a dataset: Pillow's draft decode + one resize per index, returning only the label."""
+
+    def __init__(self, paths: list[str], labels: np.ndarray) -> None:
+        self.paths, self.labels = paths, labels
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> int:
+        floor_seconds([self.paths[index]])
+        return int(self.labels[index])
+
+
+def _loader(case: str, folder: Path, shards: Path, batches: list[list[int]], workers: int, ship: int):
     """The DataLoader a case runs, a function listing its worker processes, and one stopping them."""
     import torch
     from torch.utils.data import DataLoader
@@ -84,27 +98,32 @@ def _loader(case: str, folder: Path, shards: Path, batches: list[list[int]], wor
     from pksampler.train.device import DeviceSetup
     from pksampler.train.loader import TrainLoader
 
+    if case == "floor":
+        listing = ImageFolderDataset(folder)
+        loader = DataLoader(_FloorImages(listing.paths, listing.labels), batch_sampler=batches, num_workers=workers,
+                            persistent_workers=True)
+        return loader, lambda: [w.pid for w in loader._iterator._workers], lambda: loader._iterator._shutdown_workers()
     if case == "before":
         dataset = ImageFolderDataset(folder, transform=train_preset(TRAIN_SIZE), decode_size=round(TRAIN_SIZE * 8 / 7))
         loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers, persistent_workers=True)
         return loader, lambda: [w.pid for w in loader._iterator._workers], lambda: loader._iterator._shutdown_workers()
     make = ImageFolderDataset if case == "folder" else ShardedDataset
-    dataset = make(folder if case == "folder" else shards, transform=ToUint8(TRAIN_SIZE), decode_size=TRAIN_SIZE)
+    dataset = make(folder if case == "folder" else shards, transform=ToUint8(ship), decode_size=TRAIN_SIZE)
     train = TrainLoader(dataset, batches, lambda images, keys, epoch: images,
                         workers=workers, setup=DeviceSetup(torch.device("cpu"), "fp32"))
     return train.loader, train.worker_pids, train.close
 
 
-def pipeline_seconds(case: str, folder: Path, shards: Path, batches: list[list[int]], workers: int
+def pipeline_seconds(case: str, folder: Path, shards: Path, batches: list[list[int]], workers: int, ship: int
                      ) -> tuple[float, float]:
     """(worker CPU seconds per image, images per wall second) over one epoch after a warm-up epoch."""
-    loader, pids, close = _loader(case, folder, shards, batches, workers)
+    loader, pids, close = _loader(case, folder, shards, batches, workers, ship)
     for _ in loader:  # epoch 0: start the workers, warm the page cache
         pass
     before = {pid: process_cpu_seconds(pid) for pid in pids()}
     started, images = time.perf_counter(), 0
     for batch in loader:
-        images += batch[0].shape[0]
+        images += len(batch[0]) if isinstance(batch, (list, tuple)) else len(batch)
     wall = time.perf_counter() - started
     after = {pid: process_cpu_seconds(pid) for pid in pids()}
     assert after.keys() == before.keys(), "a worker was replaced during the measurement"
@@ -139,6 +158,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=8, help="P x K batches per epoch of each case")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    parser.add_argument("--ship-size", type=int, default=TRAIN_SIZE, help="side of the uint8 squares the workers ship")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the data here (default: a temp dir)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -165,32 +185,40 @@ def run(args: argparse.Namespace, work: Path) -> None:
     sampler = DistributedBalancedBatchSampler(paths_of.labels, P, K, num_replicas=1, rank=0, seed=0)
     batches = [list(map(int, b)) for b, _ in zip(sampler, range(args.batches))]
     paths = [paths_of.paths[i] for b in batches for i in b]
-    cases = ["before", "folder", "shards"]
-    rows: dict[str, list[tuple[float, float, float]]] = {c: [] for c in cases}
+    cases = ["floor", "before", "folder", "shards"]
+    rows: dict[str, list[tuple[float, float]]] = {c: [] for c in cases}  # (CPU s per image, images/s)
     floors = []
     for repeat in range(args.repeats):
-        floor = floor_seconds(paths)
-        floors.append(floor)
-        for case in cases[repeat % 3:] + cases[:repeat % 3]:
-            cpu, rate = pipeline_seconds(case, folder, shards, batches, args.workers)
-            rows[case].append((cpu, cpu / floor, rate))
-        print(f"repeat {repeat}: floor {floor * 1e3:.2f} ms/img; " + "; ".join(
-            f"{c} {rows[c][-1][0] * 1e3:.2f} ms/img ({rows[c][-1][1]:.2f}x floor, {rows[c][-1][2]:.0f} img/s)"
-            for c in cases), flush=True)
-    sizes = [p.stat().st_size for p in map(Path, paths)]
+        floors.append(floor_seconds(paths))
+        for case in cases[repeat % len(cases):] + cases[:repeat % len(cases)]:
+            rows[case].append(pipeline_seconds(case, folder, shards, batches, args.workers, args.ship_size))
+        print(f"repeat {repeat}: floor in this process {floors[-1] * 1e3:.2f} ms/img; " + "; ".join(
+            f"{c} {rows[c][-1][0] * 1e3:.2f} ms/img ({rows[c][-1][1]:.0f} img/s)" for c in cases), flush=True)
+    _report(args, paths, cases, rows, floors)
+
+
+def _spread(values: list[float], unit: float = 1.0, digits: int = 2) -> str:
+    """``median [min-max]`` of ``values`` times ``unit``."""
+    v = np.asarray(values) * unit
+    return f"{np.median(v):.{digits}f} [{v.min():.{digits}f}-{v.max():.{digits}f}]"
+
+
+def _report(args: argparse.Namespace, paths: list[str], cases: list[str], rows: dict, floors: list[float]) -> None:
+    sizes = [Path(p).stat().st_size for p in paths]
     print(f"\n{len(paths)} JPEGs per epoch ({args.min_side}-{args.max_side} px, quality 90, "
-          f"{np.mean(sizes) / 1000:.0f} kB mean), train size {TRAIN_SIZE}, P={P} K={K}, {args.workers} workers, "
-          f"{args.repeats} repeats; median [min-max] over repeats")
-    print(f"floor (draft decode + one resize, this process): {statistics.median(floors) * 1e3:.2f} ms/img "
-          f"[{min(floors) * 1e3:.2f}-{max(floors) * 1e3:.2f}]")
-    for case in cases:
-        cpu, ratio, rate = (np.asarray([r[i] for r in rows[case]]) for i in range(3))
-        print(f"{case:7s} worker CPU {np.median(cpu) * 1e3:.2f} ms/img  ratio to floor {np.median(ratio):.2f}x "
-              f"[{ratio.min():.2f}-{ratio.max():.2f}]  {np.median(rate):.0f} img/s")
+          f"{np.mean(sizes) / 1000:.0f} kB mean), train size {TRAIN_SIZE} (shipped at {args.ship_size}), "
+          f"P={P} K={K}, {args.workers} workers, {args.repeats} repeats; median [min-max] over repeats")
+    print(f"floor in this process (draft decode + one resize): {_spread(floors, 1e3)} ms/img")
+    worker_floor = [r[0] for r in rows["floor"]]
+    print(f"floor in the workers (the same, returning the label): {_spread(worker_floor, 1e3)} ms/img")
+    for case in cases[1:]:
+        cpu = [r[0] for r in rows[case]]
+        print(f"{case:7s} worker CPU {_spread(cpu, 1e3)} ms/img; per floor in this process "
+              f"{_spread([c / f for c, f in zip(cpu, floors)])}x, per floor in the workers "
+              f"{_spread([c / f for c, f in zip(cpu, worker_floor)])}x; {_spread([r[1] for r in rows[case]], 1, 0)} img/s")
     cpu_ratio = [s[0] / f[0] for s, f in zip(rows["shards"], rows["folder"])]
-    rate_ratio = [s[2] / f[2] for s, f in zip(rows["shards"], rows["folder"])]
-    print(f"shards / folder: CPU per image {statistics.median(cpu_ratio):.2f}x [{min(cpu_ratio):.2f}-{max(cpu_ratio):.2f}]"
-          f" (lower is better), images/s {statistics.median(rate_ratio):.2f}x [{min(rate_ratio):.2f}-{max(rate_ratio):.2f}]")
+    rate_ratio = [s[1] / f[1] for s, f in zip(rows["shards"], rows["folder"])]
+    print(f"shards / folder: CPU per image {_spread(cpu_ratio)}x (lower is better), images/s {_spread(rate_ratio)}x")
     print(f"device augmentation on this CPU (BatchAugment, one thread): {augment_seconds(2) * 1e3:.2f} ms/img")
 
 

@@ -241,12 +241,14 @@ class ToUint8(_Transform):
     (:mod:`pksampler.datasets.batch_augment`). Takes no randomness.
     """
 
+    takes_rng = False
+
     def __init__(self, size: int) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"ToUint8(size=) must be a positive int, got {size!r}")
         self.size = size
 
-    def __call__(self, image: Image.Image, rng: np.random.Generator | None = None) -> torch.Tensor:
+    def __call__(self, image: Image.Image) -> torch.Tensor:
         if image.mode != "RGB":
             image = image.convert("RGB")
         width, height = image.size
