@@ -105,19 +105,20 @@ class TrainLoader:
         augment: ``augment(images, keys, epoch)`` on the device, e.g. ``BatchAugment``.
         workers: DataLoader worker processes (0: load in this process); they persist across epochs.
         setup: the rank's device (pinned memory and ``non_blocking`` copies on CUDA).
+        prefetch_factor: batches each worker loads ahead (None: torch's default).
 
     Call :meth:`close` when done, to stop the workers.
     """
 
     def __init__(self, dataset: Any, batch_sampler: Any, augment: Callable[..., torch.Tensor], *, workers: int,
-                 setup: DeviceSetup) -> None:
+                 setup: DeviceSetup, prefetch_factor: int | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"TrainLoader(workers=) must be an int >= 0, got {workers!r}")
         self.augment, self.setup = augment, setup
         self.batches = EpochBatches(batch_sampler)
         self.loader = DataLoader(KeyedSamples(dataset), batch_sampler=self.batches, num_workers=workers,
                                  collate_fn=collate_channels_last, pin_memory=setup.pin_memory,
-                                 persistent_workers=workers > 0)
+                                 persistent_workers=workers > 0, prefetch_factor=prefetch_factor)
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of the sampler's current pass, augmented with the keys of ``epoch``."""
