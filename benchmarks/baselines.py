@@ -46,16 +46,19 @@ def baseline_rows(config: RunConfig, checkpoint: Path | None = None,
 
     Returns the rows by name and the held-out labels.
     """
-    test_set = build_data(config).test
+    data = build_data(config)
+    test_set, view = data.test, data.view
     labels = test_set.labels
-    pixels = np.stack([test_set[i][0].reshape(-1).numpy() for i in range(len(test_set))])
+    # The model's input (uint8 square from the worker, centre crop, normalised), flattened.
+    pixels = np.stack([view(test_set[i][0][None]).reshape(-1).numpy() for i in range(len(test_set))])
     rows = {"raw pixels (cosine)": retrieval_metrics(pixels, labels)}
     torch.manual_seed(config.seed)
     model = build_model(config.model)
-    rows["untrained network"] = retrieval_metrics(embed(model, test_set, Backend()), labels)
+    rows["untrained network"] = retrieval_metrics(embed(model, test_set, Backend(), view=view), labels)
     if checkpoint is not None:
         model.load_state_dict(load_model_state(checkpoint))
-        rows[trained_name or f"trained ({checkpoint.name})"] = retrieval_metrics(embed(model, test_set, Backend()), labels)
+        rows[trained_name or f"trained ({checkpoint.name})"] = retrieval_metrics(
+            embed(model, test_set, Backend(), view=view), labels)
     return rows, labels
 
 

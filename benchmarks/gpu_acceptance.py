@@ -227,7 +227,7 @@ def pipeline_ratio(shards: Path, *, backbone: str = "resnet50", image_size: int 
                    samples_per_class: int = 4, workers: int = 8, steps: int = 50, warmup: int = 10,
                    device: str = "cuda", precision: str = "bf16") -> dict[str, Any]:
     """Part 3: images/s of training steps fed by our loader from ``shards`` vs by inputs already on the device."""
-    from torch.utils.data import DataLoader
+    from pksampler.train.loader import TrainLoader
 
     data, sampler, model, loss_fn, setup = _trainer_parts(
         shards, backbone=backbone, image_size=image_size, classes_per_step=classes_per_step,
@@ -241,13 +241,16 @@ def pipeline_ratio(shards: Path, *, backbone: str = "resnet50", image_size: int 
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
+    # As the trainer does: one loader, persistent workers shipping uint8, augmentation on the device.
+    train_loader = TrainLoader(data.train, sampler, data.augment, workers=workers, setup=setup,
+                               prefetch_factor=4 if workers else None)
+
     def loader():
         epoch = 0
-        while True:  # as the trainer iterates: one DataLoader pass per epoch
+        while True:  # one pass of the batch sampler per epoch
             sampler.set_epoch(epoch)
             data.train.set_epoch(epoch)
-            yield from DataLoader(data.train, batch_sampler=sampler, num_workers=workers,
-                                  pin_memory=setup.pin_memory, prefetch_factor=4 if workers else None)
+            yield from train_loader.epoch(epoch)
             epoch += 1
 
     batch = sampler.batch_size
@@ -259,7 +262,10 @@ def pipeline_ratio(shards: Path, *, backbone: str = "resnet50", image_size: int 
             yield images, labels
 
     synthetic_rate = batch * _steps_per_second(synthetic, step, steps=steps, warmup=warmup, device=setup.device)
-    loader_rate = batch * _steps_per_second(loader, step, steps=steps, warmup=warmup, device=setup.device)
+    try:
+        loader_rate = batch * _steps_per_second(loader, step, steps=steps, warmup=warmup, device=setup.device)
+    finally:
+        train_loader.close()
     ratio = loader_rate / synthetic_rate
     return {"backbone": backbone, "image_size": image_size, "batch": batch, "precision": setup.precision,
             "device": str(setup.device), "channels_last": setup.memory_format == torch.channels_last,

@@ -3,9 +3,9 @@
 Run: OMP_NUM_THREADS=1 .venv/bin/python benchmarks/real_images_sweep.py NAME [--config configs/folder.yaml]
      [--scale 0.6 1.0] [--jitter 0.3] [--rotation 0] [--set key=value ...]
 
-Why: the trainer builds its training transform with ``train_preset(image_size)``
+Why: the trainer builds its device-side augmentation with ``BatchAugment(image_size, seed=)``
 and the config has no augmentation keys, so trying other crop-scale,
-colour-jitter and rotation ranges needs the preset's arguments replaced; this script does
+colour-jitter and rotation ranges needs its arguments replaced; this script does
 that for one run only and leaves the defaults alone. One rank trains the same
 model as W ranks with the same global batch (group norm; a ``batch`` neck is
 the exception), so tuning at one process stands for the ``-np 2`` run.
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_real_images import make_real_images, set_is_complete  # noqa: E402
 
-from pksampler.datasets.transforms import train_preset  # noqa: E402
+from pksampler.datasets import BatchAugment  # noqa: E402
 from pksampler.files import atomic_write_text  # noqa: E402
 from pksampler.train import builders, run_setup  # noqa: E402
 from pksampler.train.config import load_config  # noqa: E402
@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("name", help="run name (folder under workspace/real_images/sweep)")
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "folder.yaml")
     parser.add_argument("--data", type=Path, default=ROOT / "workspace" / "real_images" / "data")
-    parser.add_argument("--scale", type=float, nargs=2, default=None, help="RandomResizedCrop area range")
+    parser.add_argument("--scale", type=float, nargs=2, default=None, help="random resized crop area range")
     parser.add_argument("--jitter", type=float, default=None, help="colour jitter strength")
     parser.add_argument("--rotation", type=float, default=None, help="largest random rotation, degrees")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -50,7 +50,7 @@ def main() -> None:
                  "distributed.backend=none", *args.overrides]
     preset_args = {k: v for k, v in (("scale", tuple(args.scale) if args.scale else None),
                                      ("jitter", args.jitter), ("rotation", args.rotation)) if v is not None}
-    builders.train_preset = functools.partial(train_preset, **preset_args)
+    builders.BatchAugment = functools.partial(BatchAugment, **preset_args)
     start = time.perf_counter()
     result = run_setup.main(load_config(args.config, overrides, environ={}))
     wall = time.perf_counter() - start

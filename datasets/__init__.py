@@ -8,14 +8,17 @@ from __future__ import annotations
 
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, load_rgb
 from .base import LabelledDataset, LabelledSubset
+from .batch_augment import BatchAugment, CenterView, keyed_uniform
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
 from .sharded import ShardDamagedError, ShardedDataset
 from .split import class_disjoint_split
 from .synthetic import SyntheticProducts, render_product
-from .transforms import eval_preset, sample_rng, train_preset
+from .transforms import ToUint8, eval_preset, sample_rng, train_preset
 
 __all__ = [
+    "BatchAugment",
+    "CenterView",
     "ImageFolderDataset",
     "ImageLoadError",
     "LabelledDataset",
@@ -25,8 +28,10 @@ __all__ = [
     "ShardDamagedError",
     "ShardedDataset",
     "SyntheticProducts",
+    "ToUint8",
     "class_disjoint_split",
     "eval_preset",
+    "keyed_uniform",
     "load_rgb",
     "render_product",
     "sample_rng",

@@ -131,6 +131,8 @@ def load_rgb(source: ImageSource, *, name: str | None = None, draft_size: int | 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
     """RGB, with deep grayscale scaled (not clipped) to 8 bits."""
+    if image.mode == "RGB":
+        return image  # decoded already (load()); convert() would only copy it
     if image.mode not in _GRAY_DEEP_MODES:
         return image.convert("RGB")
     values = np.asarray(image)

@@ -120,8 +120,13 @@ class LabelledDataset(Dataset):
         index = self._check_index(index)
         sample = self._load_or_replace(index, seed=self.seed, epoch=self.epoch, on_bad=self.on_bad,
                                        counters=self._counters)
-        rng = sample_rng(self.seed, self.epoch, index)
-        return apply_transform(self.transform, sample, rng), int(self.labels[index])
+        return apply_transform(self.transform, sample, self._rng(index)), int(self.labels[index])
+
+    def _rng(self, key: int) -> np.random.Generator | None:
+        """The generator keyed by (seed, epoch, key), made only for a transform that draws from it."""
+        if not getattr(self.transform, "takes_rng", False):
+            return None  # building it costs about a tenth of a JPEG decode in a DataLoader worker
+        return sample_rng(self.seed, self.epoch, key)
 
     def _load_or_replace(self, index: int, *, seed: int, epoch: int, on_bad: str, counters: torch.Tensor) -> Any:
         """``load(index)``, or under ``on_bad="replace"`` the image of another member of its class."""
@@ -240,5 +245,4 @@ class LabelledSubset(LabelledDataset):
         parent = int(self.indices[index])
         sample = self.dataset._load_or_replace(parent, seed=self.seed, epoch=self.epoch, on_bad=self.on_bad,
                                                counters=self._counters)
-        rng = sample_rng(self.seed, self.epoch, parent)
-        return apply_transform(self.transform, sample, rng), int(self.labels[index])
+        return apply_transform(self.transform, sample, self._rng(parent)), int(self.labels[index])

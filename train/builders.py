@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from pksampler.datasets import (
+    BatchAugment,
+    CenterView,
     ImageFolderDataset,
     LabelledSubset,
     ListFileDataset,
     SyntheticProducts,
+    ToUint8,
     class_disjoint_split,
-    eval_preset,
-    train_preset,
 )
 from pksampler.datasets.base import LabelledDataset
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
@@ -41,17 +42,26 @@ __all__ = [
     "build_optimizer",
     "build_sampler",
     "build_schedule",
+    "eval_size",
     "per_rank_share",
 ]
 
 
 @dataclass
 class DataParts:
-    """The full dataset and its class-disjoint train (augmented) and test (plain) subsets."""
+    """The full dataset, its class-disjoint train and test subsets, and their device-side transforms.
+
+    Both subsets ship uint8 squares from the workers: ``train`` at the
+    training size, ``test`` at 8/7 of it. ``augment`` (keyed random crop, flip,
+    jitter, normalisation) turns a train batch into model input on the device;
+    ``view`` (centre crop, normalisation) does it for test-sized batches.
+    """
 
     dataset: LabelledDataset
     train: LabelledSubset
     test: LabelledSubset
+    augment: BatchAugment | None = None
+    view: CenterView | None = None
 
 
 def _synthetic(data: DataConfig, seed: int) -> LabelledDataset:
@@ -60,8 +70,13 @@ def _synthetic(data: DataConfig, seed: int) -> LabelledDataset:
 
 
 def _decoding(data: DataConfig, args: dict | None = None) -> dict:
-    """``args`` (default ``data.args``) plus a decode size: large JPEGs decode in draft mode to the eval resize."""
-    return {"decode_size": round(data.image_size * 8 / 7), **(data.args if args is None else args)}
+    """``args`` (default ``data.args``) plus a decode size: large JPEGs decode in draft mode to the training size."""
+    return {"decode_size": data.image_size, **(data.args if args is None else args)}
+
+
+def eval_size(image_size: int) -> int:
+    """The side of evaluation squares: the centre ``image_size`` crop keeps 7/8 of it, as ``eval_preset``."""
+    return int(round(image_size * 8 / 7))
 
 
 def _folder(data: DataConfig, seed: int) -> LabelledDataset:
@@ -113,8 +128,10 @@ def build_data(config: RunConfig) -> DataParts:
     train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
     return DataParts(
         dataset,
-        LabelledSubset(dataset, train_idx, transform=train_preset(data.image_size)),
-        LabelledSubset(dataset, test_idx, transform=eval_preset(data.image_size)),
+        LabelledSubset(dataset, train_idx, transform=ToUint8(data.image_size)),
+        LabelledSubset(dataset, test_idx, transform=ToUint8(eval_size(data.image_size))),
+        augment=BatchAugment(data.image_size, seed=config.seed),
+        view=CenterView(data.image_size),
     )
 
 

@@ -377,6 +377,8 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
         sampler = rebuild_sampler(backend.size, backend.rank)
         sampler.load_state_dict(position)
         parts.sampler = sampler
+        if parts.loader is not None:
+            parts.loader.batches.batch_sampler = sampler  # the persistent loader draws from the new world's share
         return sampler
 
     made: list[SamplerHandler] = []

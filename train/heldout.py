@@ -14,6 +14,7 @@ like the training images.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import sys
 
@@ -26,6 +27,7 @@ from pksampler.datasets import ImageLoadError, LabelledSubset
 from pksampler.datasets.transforms import apply_transform, sample_rng
 
 from .distributed import Backend
+from .loader import to_model_input
 from .metrics import evaluate_retrieval
 from .render import save_gallery_png
 from .rules import ConfigError
@@ -34,8 +36,13 @@ __all__ = ["HeldOutEvaluator", "embed"]
 
 
 def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, batch_size: int = 128,
-          workers: int = 0) -> np.ndarray:
-    """Embeddings of every item of ``dataset`` (float32, host memory), the same on every rank."""
+          workers: int = 0, *, view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> np.ndarray:
+    """Embeddings of every item of ``dataset`` (float32, host memory), the same on every rank.
+
+    With ``view`` (e.g. :class:`~pksampler.datasets.CenterView`) the dataset
+    yields uint8 images and ``view`` makes the model's input on the device;
+    without it the batches already are the model's input.
+    """
     setup = backend.setup
     count = len(dataset)
     per_rank = -(-count // backend.size)
@@ -47,8 +54,9 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
     model.eval()
     with torch.no_grad():
         for images, _ in loader:
+            inputs = setup.to_device(images) if view is None else to_model_input(images, setup, view)
             with setup.autocast():
-                parts.append(model(setup.to_device(images)).float())
+                parts.append(model(inputs).float())
     local = torch.cat(parts) if parts else torch.zeros(0, 1, device=setup.device)
     gathered = backend.allgather(local).cpu().numpy()  # (W * per_rank, D): rank-major
     order = np.arange(backend.size)[:, None] + backend.size * np.arange(per_rank)[None, :]
@@ -111,17 +119,19 @@ class HeldOutEvaluator:
     """
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
-                 galleries: Path, gallery_queries: int, max_bad_fraction: float = 0.001) -> None:
+                 galleries: Path, gallery_queries: int, max_bad_fraction: float = 0.001,
+                 view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
         self.galleries, self.gallery_queries = galleries, gallery_queries
         self.max_bad_fraction = max_bad_fraction
+        self.view = view
         self._reported: set[int] = set()
         self.last_gallery: Path | None = None
 
     def _readable_embeddings(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """Embeddings of the readable held-out items and their positions; unreadable ones counted and checked."""
         flagged = _FlagUnreadable(self.test_set, self._reported)
-        embeddings = embed(self.model, flagged, self.backend)
+        embeddings = embed(self.model, flagged, self.backend, view=self.view)
         unreadable = _flagged_on_any_rank(self.backend, flagged.unreadable.numpy())
         bad, total = int(unreadable.sum()), int(unreadable.size)
         if bad > self.max_bad_fraction * total or bad == total:

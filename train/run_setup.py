@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 import numpy as np
 import torch
 
-from pksampler.datasets import LabelledSubset, eval_preset
+from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
@@ -52,6 +52,7 @@ from .hooks import (
     ProgressHook,
     TensorBoardHook,
 )
+from .loader import TrainLoader
 from .losses import build_loss
 from .memory import build_memory
 from .model import build_model
@@ -92,6 +93,8 @@ class Run:
         return self.elastic() if self.elastic is not None else self.trainer.train()
 
     def close(self) -> None:
+        if self.trainer.parts.loader is not None:
+            self.trainer.parts.loader.close()
         self.log.close()
         if self.lock is not None:
             self.lock.release()
@@ -162,6 +165,7 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         sampler=sampler, train_set=data.train, epochs=config.train.epochs, global_batch=global_batch,
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
+        loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
     )
 
 
@@ -202,7 +206,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
                                  gallery_queries=config.train.gallery_queries,
-                                 max_bad_fraction=config.data.max_bad_fraction)
+                                 max_bad_fraction=config.data.max_bad_fraction, view=data.view)
     hooks: list[HookBase] = []
     if is_main:
         hooks.append(ProgressHook(Progress(parts.sampler.num_batches, config.train.epochs,
@@ -246,8 +250,9 @@ def _save_curves(path: Path, storage: EventStorage) -> None:
 
 def _embed_training_set(parts: StepParts, data: DataParts, image_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Embeddings of the training images (no augmentation) and their labels, the same on every rank."""
-    plain = LabelledSubset(data.dataset, data.train.indices, transform=eval_preset(image_size))
-    return embed(parts.model, plain, parts.backend), plain.labels
+    # The test subset's uint8 path and device view: no augmentation.
+    plain = LabelledSubset(data.dataset, data.train.indices, transform=data.test.transform)
+    return embed(parts.model, plain, parts.backend, view=data.view), plain.labels
 
 
 def _replay_events(trainer: Trainer, path: Path) -> None:

@@ -113,6 +113,7 @@ class StepParts:
     passes: int = 1
     scaler: torch.amp.GradScaler | None = None
     seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
+    loader: Any = None  # a TrainLoader yielding (model inputs, labels) per epoch; None: a DataLoader per epoch
 
 
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,8 +197,11 @@ class Trainer:
         return True
 
     def make_loader(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
-        """The epoch's batches: a DataLoader over the training set driven by the batch sampler."""
+        """The epoch's batches: the loader built once (persistent workers, augmentation on the device), else
+        a DataLoader over the training set driven by the batch sampler."""
         parts = self.parts
+        if parts.loader is not None:
+            return parts.loader.epoch(self.state.epoch)
         return torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
                                            pin_memory=parts.backend.setup.pin_memory,
                                            generator=loader_generator(parts.seed, self.state.epoch, parts.backend.rank))

@@ -1,4 +1,4 @@
-"""Augmentation ranges: RandomRotation and the train preset's options."""
+"""Augmentation ranges: RandomRotation, the train preset's options, and the device augmentation that keeps them."""
 
 from __future__ import annotations
 
@@ -46,3 +46,26 @@ def test_train_preset_adds_rotation_only_when_asked():
     assert isinstance(preset.transforms[0], RandomRotation)
     out = preset(_image(), sample_rng(0, 0, 0))
     assert tuple(out.shape) == (3, 24, 24)
+
+
+def test_the_device_augmentation_keeps_the_train_presets_strengths():
+    from pksampler.datasets import BatchAugment
+    from pksampler.datasets.transforms import ColorJitter, RandomHorizontalFlip, RandomResizedCrop
+
+    preset = {type(t): t for t in train_preset(24).transforms}
+    device = BatchAugment(24)
+    crop, flip, jitter = preset[RandomResizedCrop], preset[RandomHorizontalFlip], preset[ColorJitter]
+    assert device.scale == crop.scale == (0.6, 1.0)
+    assert device.ratio == pytest.approx(crop.ratio) and crop.ratio == pytest.approx((3 / 4, 4 / 3))
+    assert device.flip == flip.p == 0.5
+    assert device.jitter == jitter.brightness == jitter.contrast == jitter.saturation == 0.3
+    assert device.rotation == 0.0 and RandomRotation not in preset
+    options = BatchAugment(24, scale=(0.3, 1.0), jitter=0.4, rotation=15)
+    assert (options.scale, options.jitter, options.rotation) == ((0.3, 1.0), 0.4, 15.0)
+
+
+def test_device_rotation_rejects_out_of_range_degrees():
+    from pksampler.datasets import BatchAugment
+
+    with pytest.raises(ValueError, match=r"BatchAugment\(rotation=\) must be in \[0, 180\], got 200"):
+        BatchAugment(24, rotation=200)

@@ -150,6 +150,8 @@ class RecordBatches(HookBase):
         parts = self.trainer.parts
         if not isinstance(parts.train_set, _RecordingDataset):
             parts.train_set = _RecordingDataset(parts.train_set)
+            if parts.loader is not None:  # the loader built once reads through KeyedSamples.dataset
+                parts.loader.loader.dataset.dataset = parts.train_set
         parts.train_set.fetched.clear()
         # One stamp per world (rank 0's clock), so a test can tell a replayed step's last run.
         self.world_started = parts.backend.broadcast_object(time.time(), name="pksampler.test.world")
