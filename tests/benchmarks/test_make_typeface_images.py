@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -65,3 +66,10 @@ def test_rebuilding_with_other_parameters_leaves_no_stale_images(tmp_path):
     assert len(list(out.glob("*/*.jpg"))) == 18
     make_typeface_images(out, classes=2, size=24, seed=5, typefaces=FACES, min_faces=3, install=False)
     assert len(list(out.glob("*/*.jpg"))) == 6 and len([p for p in out.iterdir() if p.is_dir()]) == 2
+
+
+def test_bad_arguments_name_themselves(tmp_path):
+    with pytest.raises(ValueError, match=r"classes=\) must be an integer >= 2, got 1"):
+        make_typeface_images(tmp_path, classes=1, install=False)
+    with pytest.raises(ValueError, match=r"typefaces= names unknown faces \['comic'\]"):
+        make_typeface_images(tmp_path, classes=2, typefaces=("comic",), min_faces=1, install=False)
