@@ -179,11 +179,11 @@ def batch_counts(name: str, sampler_config, labels: np.ndarray, world_size: int,
 
 
 def train_command(name: str, config: Path, np_: int, overrides: list[str]) -> list[str]:
-    """horovodrun for pk and random (N ranks), one plain process for mperclass."""
+    """horovodrun for pk and random (N ranks), one plain process for mperclass (and for all at ``--np 1``)."""
     entry = [str(ROOT / "train" / "retrieval.py")] if name == "pk" else [__file__, "--worker", name]
     script = [sys.executable, *entry, "--config", str(config), "--no-resume"]
     script += [item for text in overrides for item in ("--set", text)]
-    if name == "mperclass":
+    if name == "mperclass" or np_ == 1:
         return script + ["--set", "distributed.backend=none"]
     horovodrun = Path(sys.executable).with_name("horovodrun")
     return [str(horovodrun), "-np", str(np_), "-H", f"localhost:{np_}", *script]
@@ -244,7 +244,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "folder.yaml")
-    parser.add_argument("--np", dest="np_", type=int, default=2, help="ranks for horovodrun (default 2)")
+    parser.add_argument("--np", dest="np_", type=int, default=2,
+                        help="ranks for horovodrun (default 2); 1: every sampler in one process")
     parser.add_argument("--data", type=Path, default=None, help="set folder (default workspace/typefaces/c<classes>)")
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--size", type=int, default=64)
