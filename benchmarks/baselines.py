@@ -18,7 +18,7 @@ import torch
 
 from pksampler.train.config import RunConfig, load_config
 from pksampler.train.distributed import Backend
-from pksampler.train.evaluate import retrieval_metrics
+from pksampler.train.metrics import retrieval_metrics
 from pksampler.train.model import build_model
 from pksampler.train.builders import build_data
 from pksampler.train.heldout import embed

@@ -27,7 +27,7 @@ from make_real_images import make_real_images, set_is_complete  # noqa: E402
 
 from pksampler.datasets.transforms import train_preset  # noqa: E402
 from pksampler.files import atomic_write_text  # noqa: E402
-from pksampler.train import builders, trainer  # noqa: E402
+from pksampler.train import builders, run_setup  # noqa: E402
 from pksampler.train.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def main() -> None:
                                      ("jitter", args.jitter), ("rotation", args.rotation)) if v is not None}
     builders.train_preset = functools.partial(train_preset, **preset_args)
     start = time.perf_counter()
-    result = trainer.main(load_config(args.config, overrides, environ={}))
+    result = run_setup.main(load_config(args.config, overrides, environ={}))
     wall = time.perf_counter() - start
     record = {"name": args.name, "overrides": args.overrides, "preset": preset_args, "wall_s": wall,
               **{k: v for k, v in result.final_metrics.items() if isinstance(v, float)}}

@@ -33,11 +33,12 @@ __all__ = [
     "allreduce_mean",
     "barrier",
     "broadcast_object",
+    "drop_padding",
     "initialised_horovod",
     "initialised_torch_distributed",
-    "is_main_process",
     "launcher_world",
     "local_rank",
+    "pad_rows",
     "world_info",
 ]
 
@@ -110,16 +111,19 @@ def local_rank() -> int:
     return found[2] if found is not None else 0
 
 
-def is_main_process() -> bool:
-    """True on rank 0 (the one that logs and writes)."""
-    return world_info()[0] == 0
+def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int] | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along dim 0, in rank order, keeping gradients.
 
-
-def all_gather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0 (equal shapes), keeping gradients.
+    The first dimension may differ between ranks (a global step whose G
+    classes do not split evenly over the ranks); the other dimensions must
+    agree. Horovod's allgather takes unequal first dims natively. torch's
+    all_gather needs equal shapes, so each rank pads to the longest and the
+    padding rows are dropped after the gather; ``sizes`` (every rank's first
+    dim, in rank order) saves the small collective that otherwise finds them.
 
     In backward, Horovod averages the incoming gradients and torch sums them
-    (see :class:`pksampler.train.distributed.Backend.gathered_loss_scale`).
+    (see :class:`pksampler.train.distributed.Backend.gathered_loss_scale`);
+    each rank receives the rows of its own part, whatever the sizes.
     """
     hvd = initialised_horovod()
     if hvd is not None:
@@ -127,14 +131,45 @@ def all_gather(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor
     dist = initialised_torch_distributed()
     if dist is None:
         return tensor
+    sizes = _first_dims(dist, tensor) if sizes is None else [int(n) for n in sizes]
+    if len(sizes) != dist.get_world_size() or sizes[dist.get_rank()] != tensor.shape[0]:
+        raise ValueError(f"all_gather(sizes=) must list every rank's first dimension ({dist.get_world_size()} "
+                         f"values, this rank's = {tensor.shape[0]}), got {sizes}")
+    padded = pad_rows(tensor.contiguous(), max(sizes))
     if tensor.requires_grad:
         from torch.distributed import _functional_collectives as functional
 
-        gathered = functional.all_gather_tensor_autograd(tensor.contiguous(), 0, dist.group.WORLD)
-        return functional.wait_tensor(gathered) if hasattr(functional, "wait_tensor") else gathered
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts, dim=0)
+        gathered = functional.all_gather_tensor_autograd(padded, 0, dist.group.WORLD)
+        gathered = functional.wait_tensor(gathered) if hasattr(functional, "wait_tensor") else gathered
+    else:
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded)
+        gathered = torch.cat(parts, dim=0)
+    return drop_padding(gathered, sizes)
+
+
+def pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``rows`` (differentiable; the padding gets no gradient)."""
+    if tensor.shape[0] >= rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
+
+
+def drop_padding(gathered: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """The real rows of an all-gather of tensors padded to ``max(sizes)`` rows: rank r's first ``sizes[r]``."""
+    longest = max(sizes)
+    if min(sizes) == longest:
+        return gathered
+    rows = torch.cat([torch.arange(n) + rank * longest for rank, n in enumerate(sizes)]).to(gathered.device)
+    return gathered.index_select(0, rows)
+
+
+def _first_dims(dist: Any, tensor: torch.Tensor) -> list[int]:
+    """Every rank's ``tensor.shape[0]``, in rank order (one small all_gather)."""
+    mine = torch.tensor([tensor.shape[0]], dtype=torch.int64, device=tensor.device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [int(part.item()) for part in parts]
 
 
 def all_gather_numpy(row: np.ndarray, *, device: torch.device | str | None = None) -> np.ndarray:

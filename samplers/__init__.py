@@ -7,7 +7,7 @@ Pure plans (numpy in, numpy out) live in ``*_plan`` modules; the torch
 from __future__ import annotations
 
 from ._labels import ClassIndex, group_labels
-from ._world import world_info
+from ._world import rank_share, rank_shares, world_info
 from .balanced import DistributedBalancedBatchSampler, DistributedBalancedSampler
 from .pk_plan import balanced_plan, epoch_layout, rank_batches
 from .triplet import DistributedTripletBatchSampler, DistributedTripletSampler
@@ -26,6 +26,8 @@ __all__ = [
     "epoch_layout",
     "group_labels",
     "rank_batches",
+    "rank_share",
+    "rank_shares",
     "sampler_fingerprint",
     "triplet_batches",
     "world_info",

@@ -7,13 +7,15 @@ make a run resumable at the next global step. Subclasses supply the plan.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Iterator
 
 import numpy as np
 
 from ._validate import SEED_LIMIT, check_int
+from ._world import rank_share, resolve_world, step_total
 
-__all__ = ["StepPlanSampler"]
+__all__ = ["BatchForm", "FlatForm", "StepPlanSampler"]
 
 _STATE_VERSION = 1
 
@@ -21,12 +23,14 @@ _STATE_VERSION = 1
 class StepPlanSampler:
     """Epoch, resume position and state handling shared by the step-plan samplers.
 
-    A subclass defines ``_plan_identity()`` (values a resumed run must share),
+    A subclass defines ``plan_identity()`` (values a resumed run must share),
     ``_count_steps(epoch)`` (global steps of an epoch, cheap) and
     ``_rank_steps(epoch, start, stop)`` (this rank's batches as a 2-D array).
     """
 
     _owner = "StepPlanSampler"
+    #: attribute names of the global step's size and of this rank's share of it
+    _step_names = ("classes_per_step", "classes_per_batch")
     #: steps computed per block while streaming, bounds memory of the iterator
     _block_indices = 1 << 16
 
@@ -41,7 +45,14 @@ class StepPlanSampler:
         self._steps_cache: tuple[int, int] | None = None
 
     # --- to be provided by subclasses -------------------------------------
-    def _plan_identity(self) -> dict[str, Any]:  # pragma: no cover - abstract
+    def plan_identity(self) -> dict[str, Any]:  # pragma: no cover - abstract
+        """What fixes the global plan, apart from seed and epoch: labels digest, step size, policies.
+
+        Two samplers with equal identities, seeds and epochs produce the same
+        global steps at any world size. It is part of :meth:`state_dict` (a
+        resumed run must match it) and of the cross-rank fingerprint of
+        :func:`pksampler.samplers.sampler_fingerprint`. Plain values only.
+        """
         raise NotImplementedError
 
     def _count_steps(self, epoch: int) -> int:  # pragma: no cover - abstract
@@ -52,9 +63,39 @@ class StepPlanSampler:
 
     @property
     def batch_size(self) -> int:  # pragma: no cover - abstract
+        """Indices in this rank's batch."""
         raise NotImplementedError
 
+    @property
+    def rank_batch_sizes(self) -> tuple[int, ...]:  # pragma: no cover - abstract
+        """Indices in every rank's batch, in rank order (they differ when W does not divide the step)."""
+        raise NotImplementedError
+
+    @property
+    def global_batch_size(self) -> int:
+        """Indices in one global step, summed over the ranks."""
+        return sum(self.rank_batch_sizes)
+
     # --- protocol ---------------------------------------------------------
+    def set_world(self, num_replicas: int | None, rank: int | None) -> None:
+        """Take this rank's share of every global step for another world size (an elastic reset).
+
+        The global plan does not depend on the world size, so the labels'
+        grouping, the cached epoch layout, the epoch and the resume step are
+        kept; only the rank's run of slots changes (``ceil`` or ``floor`` of
+        the step size over ``num_replicas``, which may be at most the step
+        size). ``None`` detects the value as the constructor does. An
+        iterator created before keeps its old share; load the committed
+        ``state_dict`` and create a new one.
+        """
+        owner = f"{self._owner}.set_world"
+        num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
+        total_name, share_name = self._step_names
+        total = step_total(None, getattr(self, total_name), num_replicas, owner=owner, names=(share_name, total_name))
+        first, count = rank_share(total, num_replicas, rank)
+        self.num_replicas, self.rank, self.first_slot = num_replicas, rank, first
+        setattr(self, share_name, count)
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose plan the next ``__iter__`` yields.
 
@@ -114,7 +155,7 @@ class StepPlanSampler:
             "epoch": self.epoch,
             "seed": self.seed,
             "step": step,
-            **self._plan_identity(),
+            **self.plan_identity(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -126,7 +167,7 @@ class StepPlanSampler:
         owner = f"{self._owner}.load_state_dict"
         if not isinstance(state, dict):
             raise TypeError(f"{owner}(state=) expects a dict from state_dict(), got {type(state).__name__}")
-        required = {"version", "epoch", "seed", "step"} | set(self._plan_identity())
+        required = {"version", "epoch", "seed", "step"} | set(self.plan_identity())
         missing = sorted(required - set(state))
         if missing:
             raise ValueError(f"{owner}(state=) is missing keys {missing}; was it written by state_dict()?")
@@ -143,10 +184,32 @@ class StepPlanSampler:
         self._iter_start, self._yielded = step, 0
 
     def _check_identity(self, state: dict[str, Any], owner: str) -> None:
-        mine = self._plan_identity()
+        mine = self.plan_identity()
         for key, value in mine.items():
             if state[key] != value:
                 raise ValueError(
                     f"{owner}: the saved run has {key}={state[key]!r} but this sampler has {key}={value!r}; "
                     "a resumed run must use the same labels and plan settings"
                 )
+
+
+class BatchForm(StepPlanSampler):
+    """The batch form of a step-plan sampler: one list of indices per global step (``batch_sampler=``)."""
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (batch.tolist() for batch in self._iter_batches())
+
+    def __len__(self) -> int:
+        """Batches the next iteration yields (from the resume step to the end of the epoch)."""
+        return self._remaining_steps()
+
+
+class FlatForm(BatchForm):
+    """The flat form: the batch form's lists, concatenated (``sampler=``, ``batch_size=s.batch_size``)."""
+
+    def __iter__(self) -> Iterator[int]:
+        return itertools.chain.from_iterable(BatchForm.__iter__(self))
+
+    def __len__(self) -> int:
+        """Indices the next iteration yields: whole batches of ``batch_size``."""
+        return BatchForm.__len__(self) * self.batch_size

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import itertools
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from ._base import StepPlanSampler
+from ._base import BatchForm, FlatForm, StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
-from ._world import resolve_world
+from ._world import rank_share, rank_shares, resolve_world, step_total
 from .pk_plan import SMALL_CLASS_POLICIES, EpochLayout, count_steps, epoch_layout, rank_batches
 
 __all__ = ["DistributedBalancedBatchSampler", "DistributedBalancedSampler"]
@@ -28,9 +27,10 @@ class _BalancedPlan(StepPlanSampler):
     def __init__(
         self,
         labels: Any,
-        classes_per_batch: int,
-        samples_per_class: int,
+        classes_per_batch: int | None = None,
+        samples_per_class: int | None = None,
         *,
+        classes_per_step: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
         seed: int = 0,
@@ -38,11 +38,17 @@ class _BalancedPlan(StepPlanSampler):
         class_weighting: float = 1.0,
     ) -> None:
         owner = self._owner
-        self.classes_per_batch = check_int("classes_per_batch", classes_per_batch, minimum=1, owner=owner)
+        if samples_per_class is None:
+            raise TypeError(f"{owner}() missing the argument samples_per_class (K, samples of each class in a batch)")
         self.samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1, owner=owner)
         self.small_classes = check_choice("small_classes", small_classes, SMALL_CLASS_POLICIES, owner=owner)
         self.class_weighting = check_real("class_weighting", class_weighting, low=0.0, high=4.0, owner=owner)
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
+        #: G, classes in one global step (over all ranks)
+        self.classes_per_step = step_total(classes_per_batch, classes_per_step, num_replicas, owner=owner,
+                                           names=("classes_per_batch", "classes_per_step"))
+        #: this rank's slots of every step: [first_slot, first_slot + classes_per_batch)
+        self.first_slot, self.classes_per_batch = rank_share(self.classes_per_step, num_replicas, rank)
         super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         limit = REPEAT_LIMIT * int(self.index.sizes.max())
@@ -58,16 +64,17 @@ class _BalancedPlan(StepPlanSampler):
         _ = self.num_batches  # validates "enough classes" now rather than at the first epoch
 
     @property
-    def classes_per_step(self) -> int:
-        """G = num_replicas * classes_per_batch: classes in one global step."""
-        return self.num_replicas * self.classes_per_batch
-
-    @property
     def batch_size(self) -> int:
-        """P * K indices per rank batch."""
+        """P * K indices in this rank's batch (P = this rank's share of G)."""
         return self.classes_per_batch * self.samples_per_class
 
-    def _plan_identity(self) -> dict[str, Any]:
+    @property
+    def rank_batch_sizes(self) -> tuple[int, ...]:
+        """Every rank's P * K, in rank order: ceil(G/W) * K for the first G % W ranks, floor(G/W) * K after."""
+        return tuple(p * self.samples_per_class for p in rank_shares(self.classes_per_step, self.num_replicas))
+
+    def plan_identity(self) -> dict[str, Any]:
+        """Labels digest, G, K and the policies: what makes two samplers' global plans equal (see the base class)."""
         return {
             "labels_fingerprint": self.index.fingerprint,
             "classes_per_step": self.classes_per_step,
@@ -79,15 +86,9 @@ class _BalancedPlan(StepPlanSampler):
     def _check_identity(self, state: dict[str, Any], owner: str) -> None:
         saved = state["classes_per_step"]
         if isinstance(saved, int) and saved != self.classes_per_step:
-            if saved % self.num_replicas:
-                raise ValueError(
-                    f"{owner}: the saved run used {saved} classes per global step, which num_replicas="
-                    f"{self.num_replicas} does not divide; resume on a world size that divides {saved}"
-                )
             raise ValueError(
-                f"{owner}: the saved run used {saved} classes per global step; with num_replicas="
-                f"{self.num_replicas} construct the sampler with classes_per_batch={saved // self.num_replicas} "
-                f"(got {self.classes_per_batch})"
+                f"{owner}: the saved run used {saved} classes per global step but this sampler has "
+                f"{self.classes_per_step}; construct it with classes_per_step={saved} (any num_replicas up to {saved})"
             )
         super()._check_identity(state, owner)
 
@@ -123,19 +124,22 @@ class _BalancedPlan(StepPlanSampler):
             self.rank,
             start_step=start,
             stop_step=stop,
+            first_slot=self.first_slot,
         )
         return batches.reshape(batches.shape[0], self.batch_size)
 
 
-class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
+class DistributedBalancedSampler(FlatForm, _BalancedPlan, Sampler[int]):
     """Class-balanced sampler for distributed metric learning: P classes x K samples per rank batch.
 
-    Every global step holds ``G = num_replicas * classes_per_batch`` distinct
-    classes; rank r takes P of them, K samples each, so every rank batch is
-    P x K and no class is split across ranks within a step. The global plan
-    does not depend on the world size: W=1 with P=G and W ranks with P=G/W
-    produce the same global batches. See :mod:`pksampler.samplers.pk_plan`
-    for the algorithm.
+    Every global step holds G distinct classes (``classes_per_step=G``, or
+    ``num_replicas * classes_per_batch``); rank r takes a contiguous run of
+    P_r of them, K samples each, so every rank batch is P_r x K and no class
+    is split across ranks within a step. P_r = G / W when W divides G, else
+    ``ceil(G/W)`` for the first ``G % W`` ranks and ``floor(G/W)`` for the
+    others; every rank takes the same number of steps. The global plan does
+    not depend on the world size: any W from 1 to G produces the same global
+    batches. See :mod:`pksampler.samplers.pk_plan` for the algorithm.
 
     This form yields a flat index stream; use it with
     ``DataLoader(dataset, sampler=s, batch_size=s.batch_size)`` (``drop_last``
@@ -144,7 +148,11 @@ class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
     Args:
         labels: one class label per sample (ints, strings, any hashable), or
             a dataset exposing ``labels`` or ``targets``. No sample is loaded.
-        classes_per_batch: P, classes in each rank batch.
+        classes_per_batch: P, classes in each rank batch (every rank the
+            same; G = W * P). Give this or ``classes_per_step``.
+        classes_per_step: G, classes in each global step, split over the
+            ranks as evenly as possible; at least ``num_replicas``. This is
+            the form that resumes on any world size unchanged.
         samples_per_class: K, samples of each class in a batch; at most 16 x
             the largest class size (smaller classes are filled by repetition;
             beyond 16x an epoch would be more than 16 passes over the data).
@@ -168,11 +176,14 @@ class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
           remainder of fewer than G chunks is dropped each epoch (a different one);
         * a class too large to fit once per step is capped, with a different
           random subset of its samples each epoch;
-        * fewer than G eligible classes raises ValueError saying how many exist.
+        * fewer than G eligible classes raises ValueError saying how many exist;
+        * more ranks than G (``num_replicas > classes_per_step``) raises ValueError;
+        * ranks' batch sizes differ by K when W does not divide G:
+          ``rank_batch_sizes`` lists them (an all-gather of the batch needs it).
 
     Example::
 
-        sampler = DistributedBalancedSampler(dataset, classes_per_batch=16, samples_per_class=4,
+        sampler = DistributedBalancedSampler(dataset, samples_per_class=4, classes_per_step=16,
                                              num_replicas=hvd.size(), rank=hvd.rank(), seed=0)
         loader = DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size, num_workers=4)
         for epoch in range(epochs):
@@ -181,14 +192,9 @@ class DistributedBalancedSampler(_BalancedPlan, Sampler[int]):
                 ...
     """
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.chain.from_iterable(batch.tolist() for batch in self._iter_batches())
-
-    def __len__(self) -> int:
-        return self._remaining_steps() * self.batch_size
 
 
-class DistributedBalancedBatchSampler(_BalancedPlan, Sampler[list[int]]):
+class DistributedBalancedBatchSampler(BatchForm, _BalancedPlan, Sampler[list[int]]):
     """The batch form of :class:`DistributedBalancedSampler`: one list of P*K indices per step.
 
     Same arguments, plan and guarantees; use it as
@@ -197,9 +203,3 @@ class DistributedBalancedBatchSampler(_BalancedPlan, Sampler[list[int]]):
     """
 
     _owner = "DistributedBalancedBatchSampler"
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (batch.tolist() for batch in self._iter_batches())
-
-    def __len__(self) -> int:
-        return self._remaining_steps()

@@ -33,12 +33,13 @@ def _digest64(text: str) -> int:
 def sampler_fingerprint(sampler: Any) -> np.ndarray:
     """An int64 vector summarising what must be equal on every rank.
 
-    Fields: labels digest, plan settings digest (P, K, G and policies),
+    Fields: labels digest, plan settings digest (the sampler's public
+    ``plan_identity()``: G, K and policies; plus every rank's batch size),
     seed, epoch, world size.
     """
-    identity = dict(sampler._plan_identity())
+    identity = dict(sampler.plan_identity())
     labels = str(identity.pop("labels_fingerprint", ""))
-    identity["batch_size"] = sampler.batch_size
+    identity["rank_batch_sizes"] = list(sampler.rank_batch_sizes)  # equal on every rank, unlike batch_size
     extra = getattr(sampler, "consistency_extra", None)
     if extra is not None:
         identity["extra"] = extra()

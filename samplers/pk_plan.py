@@ -1,7 +1,8 @@
 """The P x K epoch plan as pure numpy functions (numpy in, numpy out).
 
 Vocabulary: P = classes per rank batch, K = samples per class, W = world size,
-G = W*P classes per global step, S = global steps per epoch. A *chunk* is K
+G classes per global step (G = W*P when W divides G; otherwise ranks take
+ceil(G/W) or floor(G/W)), S = global steps per epoch. A *chunk* is K
 indices of one class.
 
 The plan is built in two layers so that every rank's share can be computed
@@ -40,7 +41,9 @@ How chunks are placed (all steps of the algorithm are vectorised):
    the next split class, so tight columns are repaired in column order and
    the next boundary re-checked; a partner always exists.
 5. Within step s, the G columns are rotated by a random ``rho_s`` into slots;
-   rank r takes slots ``[r*P, (r+1)*P)``, so every rank meets every class.
+   rank r takes a contiguous run of slots, ``[r*P, (r+1)*P)`` when W divides
+   G, else ``ceil(G/W)`` slots for the first ``G % W`` ranks and
+   ``floor(G/W)`` for the rest; every rank meets every class.
 6. Chunk q of class c holds positions ``q*K .. q*K+K-1`` (mod ``n_c``) of the
    class's members under a keyed pseudo-random permutation (Feistel, see
    :mod:`._permute`), so indices of a class are used evenly: within an epoch
@@ -61,6 +64,7 @@ import numpy as np
 
 from ._labels import ClassIndex
 from ._permute import keyed_permute, mix64
+from ._world import rank_share
 
 __all__ = [
     "SMALL_CLASS_POLICIES",
@@ -398,17 +402,24 @@ def rank_batches(
     *,
     start_step: int = 0,
     stop_step: int | None = None,
+    first_slot: int | None = None,
 ) -> np.ndarray:
     """Sample indices of one rank, shape ``(steps, classes_per_batch, samples_per_class)``.
 
-    Rank ``r`` takes slots ``[r*P, (r+1)*P)`` of every global step in
-    ``[start_step, stop_step)``. Work and memory are proportional to the
-    rank's own share.
+    Rank ``r`` takes slots ``[first_slot, first_slot + classes_per_batch)`` of
+    every global step in ``[start_step, stop_step)``; ``first_slot`` defaults
+    to ``r * classes_per_batch`` (equal shares). For an uneven split of G over
+    W ranks pass the rank's run from :func:`pksampler.samplers.rank_share`.
+    Work and memory are proportional to the rank's own share.
     """
     num_steps, columns = layout.num_steps, layout.classes_per_step
     stop_step = num_steps if stop_step is None else min(stop_step, num_steps)
     steps = np.arange(start_step, stop_step, dtype=np.int64)
-    slots = rank * classes_per_batch + np.arange(classes_per_batch, dtype=np.int64)
+    first = rank * classes_per_batch if first_slot is None else first_slot
+    if not 0 <= first <= columns - classes_per_batch:
+        raise ValueError(f"rank_batches: slots [{first}, {first + classes_per_batch}) lie outside the "
+                         f"{columns} slots of a global step")
+    slots = first + np.arange(classes_per_batch, dtype=np.int64)
     column = (slots[None, :] + layout.slot_shift[steps][:, None]) % columns
     position = column * num_steps + layout.position_of[column, steps[:, None]]
     run = layout.run_of[position]
@@ -435,7 +446,7 @@ def step_classes(layout: EpochLayout) -> np.ndarray:
 
 def balanced_plan(
     index: ClassIndex,
-    classes_per_batch: int,
+    classes_per_batch: int | None,
     samples_per_class: int,
     num_replicas: int,
     rank: int,
@@ -445,16 +456,24 @@ def balanced_plan(
     small_classes: str = "repeat",
     class_weighting: float = 1.0,
     start_step: int = 0,
+    classes_per_step: int | None = None,
 ) -> np.ndarray:
-    """One rank's batches for one epoch, shape ``(steps, P * K)``: layout, then slice."""
+    """One rank's batches for one epoch, shape ``(steps, P_r * K)``: layout, then slice.
+
+    Give either ``classes_per_batch`` (P, equal shares, G = W * P) or
+    ``classes_per_step`` (G, split as evenly as possible: ``P_r`` is
+    ``ceil(G/W)`` for the first ``G % W`` ranks, else ``floor(G/W)``).
+    """
+    total = num_replicas * classes_per_batch if classes_per_step is None else classes_per_step
+    first, count = rank_share(total, num_replicas, rank)
     layout = epoch_layout(
         index,
-        num_replicas * classes_per_batch,
+        total,
         samples_per_class,
         seed=seed,
         epoch=epoch,
         small_classes=small_classes,
         class_weighting=class_weighting,
     )
-    batches = rank_batches(layout, index, classes_per_batch, samples_per_class, rank, start_step=start_step)
-    return batches.reshape(batches.shape[0], classes_per_batch * samples_per_class)
+    batches = rank_batches(layout, index, count, samples_per_class, rank, start_step=start_step, first_slot=first)
+    return batches.reshape(batches.shape[0], count * samples_per_class)

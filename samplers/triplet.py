@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import itertools
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
-from ._base import StepPlanSampler
+from ._base import BatchForm, FlatForm, StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
-from ._world import resolve_world
+from ._world import rank_share, rank_shares, resolve_world, step_total
 from .triplet_plan import anchor_index, check_neighbour_table, count_triplet_steps, triplet_batches
 
 __all__ = ["DistributedTripletBatchSampler", "DistributedTripletSampler"]
@@ -22,12 +21,14 @@ NEGATIVE_POLICIES = ("random", "hard")
 
 class _TripletPlan(StepPlanSampler):
     _owner = "DistributedTripletSampler"
+    _step_names = ("triplets_per_step", "triplets_per_batch")
 
     def __init__(
         self,
         labels: Any,
-        triplets_per_batch: int,
+        triplets_per_batch: int | None = None,
         *,
+        triplets_per_step: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
         seed: int = 0,
@@ -36,11 +37,15 @@ class _TripletPlan(StepPlanSampler):
         hard_fraction: float = 0.5,
     ) -> None:
         owner = self._owner
-        self.triplets_per_batch = check_int("triplets_per_batch", triplets_per_batch, minimum=1, owner=owner)
         self.negatives = check_choice("negatives", negatives, NEGATIVE_POLICIES, owner=owner)
         hard_classes = check_int("hard_classes", hard_classes, minimum=1, owner=owner)
         self.hard_fraction = check_real("hard_fraction", hard_fraction, low=0.0, high=1.0, owner=owner)
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
+        #: triplets in one global step (over all ranks)
+        self.triplets_per_step = step_total(triplets_per_batch, triplets_per_step, num_replicas, owner=owner,
+                                            names=("triplets_per_batch", "triplets_per_step"))
+        #: this rank's triplet slots of every step: [first_slot, first_slot + triplets_per_batch)
+        self.first_slot, self.triplets_per_batch = rank_share(self.triplets_per_step, num_replicas, rank)
         super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         if self.index.num_classes < 2:
@@ -52,7 +57,7 @@ class _TripletPlan(StepPlanSampler):
             )
         self.hard_classes = hard_classes
         self.anchors = anchor_index(self.index)
-        per_step = self.num_replicas * self.triplets_per_batch
+        per_step = self.triplets_per_step
         if self.anchors.size < per_step:
             raise ValueError(
                 f"not enough anchors: a global step needs num_replicas * triplets_per_batch = {per_step} anchors "
@@ -63,14 +68,21 @@ class _TripletPlan(StepPlanSampler):
 
     @property
     def batch_size(self) -> int:
-        """3 * triplets_per_batch indices per rank batch."""
+        """3 * triplets_per_batch indices in this rank's batch."""
         return 3 * self.triplets_per_batch
 
     @property
-    def triplets_per_step(self) -> int:
-        return self.num_replicas * self.triplets_per_batch
+    def rank_batch_sizes(self) -> tuple[int, ...]:
+        """Every rank's 3 * T, in rank order (T = ceil or floor of triplets_per_step / W)."""
+        return tuple(3 * t for t in rank_shares(self.triplets_per_step, self.num_replicas))
 
-    def _plan_identity(self) -> dict[str, Any]:
+    @property
+    def needs_class_neighbours(self) -> bool:
+        """True when the plan draws hard negatives, so a trainer should mine tables for it."""
+        return self.negatives == "hard"
+
+    def plan_identity(self) -> dict[str, Any]:
+        """Labels digest, triplets per step and the negative policy (see the base class)."""
         return {
             "labels_fingerprint": self.index.fingerprint,
             "triplets_per_step": self.triplets_per_step,
@@ -110,57 +122,13 @@ class _TripletPlan(StepPlanSampler):
         self._tables = [t for t in self._tables if t[0] <= self.epoch][-1:] + [(self.epoch + 1, table)]
         return table
 
-    def update_class_neighbours(self, embeddings: Any, labels: Any, *,
-                                broadcast: Callable[[Any], Any] | None = None) -> np.ndarray:
-        """Mine the hard-negative table from current embeddings on rank 0 and give it to every rank.
-
-        A convenience over :meth:`set_class_neighbours`: rank 0 maps ``labels``
-        to class codes and calls :func:`pksampler.train.mining.class_neighbours`
-        (faiss k-NN of class centroids); ``broadcast`` (default
-        :func:`pksampler.comm.broadcast_object`: Horovod, torch.distributed or
-        one process) sends the table to every rank. Every rank must call this
-        together. The table applies from the next epoch.
-        """
-        owner = f"{self._owner}.update_class_neighbours"
-        if broadcast is None:
-            from pksampler.comm import broadcast_object
-
-            def broadcast(value: Any) -> Any:
-                return broadcast_object(value, 0, name="pksampler.class_neighbours")
-
-        table = self._mine(embeddings, labels, owner) if self.rank == 0 else None
-        table = broadcast(table)
-        if table is None:
-            raise RuntimeError(f"{owner}: no table was received from rank 0")
-        return self.set_class_neighbours(table)
-
-    def _mine(self, embeddings: Any, labels: Any, owner: str) -> np.ndarray:
-        from pksampler.train.mining import class_neighbours
-
-        from pksampler.arrays import as_numpy
-
-        labels = as_numpy(labels, name=f"{owner}(labels=)", kinds=None, contiguous=False)
-        rows = np.shape(embeddings)[0] if np.ndim(embeddings) >= 1 else 0
-        if labels.shape != (rows,):
-            raise ValueError(f"{owner}(labels=) must have shape ({rows},), one label per embedding row, got {labels.shape}")
-        codes, known = self.index.codes_of(labels)
-        if not known.all():
-            unknown = labels[~known][:3].tolist()
-            raise ValueError(
-                f"{owner}(labels=) has labels the sampler does not know, e.g. {unknown}: "
-                "the class-neighbour table must come from the sampler's labels"
-            )
-        try:
-            return class_neighbours(embeddings, codes, self.index.num_classes, self.hard_classes)
-        except ValueError as error:
-            raise ValueError(f"{owner}: {error}") from None
-
     def _rank_steps(self, epoch: int, start: int, stop: int) -> np.ndarray:
         hard = self.negatives == "hard"
         triples = triplet_batches(
             self.index, self.anchors, self.triplets_per_batch, self.num_replicas, self.rank,
             seed=self.seed, epoch=epoch, neighbours=self.neighbours(epoch) if hard else None,
             hard_fraction=self.hard_fraction if hard else 0.0, start_step=start, stop_step=stop,
+            triplets_per_step=self.triplets_per_step,
         )
         return triples.reshape(triples.shape[0], self.batch_size)
 
@@ -187,23 +155,29 @@ class _TripletPlan(StepPlanSampler):
         self._tables = tables
 
 
-class DistributedTripletSampler(_TripletPlan, Sampler[int]):
+class DistributedTripletSampler(FlatForm, _TripletPlan, Sampler[int]):
     """Triplet sampler for distributed metric learning: a flat stream of (anchor, positive, negative).
 
     Every sample of a class with at least two samples is an anchor once per
     epoch; its positive is another sample of its class; its negative is from
     another class, at random or (``negatives="hard"``) with probability
     ``hard_fraction`` from the anchor class's nearest classes under the
-    current model (see :meth:`update_class_neighbours`). Global steps of
-    ``num_replicas * triplets_per_batch`` triplets are split by rank; the plan
-    does not depend on the world size. See :mod:`pksampler.samplers.triplet_plan`.
+    current model (a table given with :meth:`set_class_neighbours`). Global steps of
+    ``triplets_per_step`` (or ``num_replicas * triplets_per_batch``) triplets
+    are split by rank, as evenly as possible when W does not divide them; the
+    plan does not depend on the world size. See
+    :mod:`pksampler.samplers.triplet_plan`.
 
     Use ``DataLoader(dataset, sampler=s, batch_size=s.batch_size)``: every
     batch holds whole triplets as consecutive rows a, p, n.
 
     Args:
         labels: labels per sample, or a dataset exposing ``labels``/``targets``.
-        triplets_per_batch: T, triplets per rank batch (3T indices).
+        triplets_per_batch: T, triplets per rank batch (3T indices), every
+            rank the same. Give this or ``triplets_per_step``.
+        triplets_per_step: triplets per global step, split over the ranks
+            as evenly as possible (a contiguous run of ``ceil`` or ``floor``
+            of it / W per rank); at least ``num_replicas``.
         num_replicas, rank: world size and rank; detected when None.
         seed: base seed (randomness keyed by seed and epoch).
         negatives: ``"random"`` or ``"hard"``.
@@ -220,24 +194,11 @@ class DistributedTripletSampler(_TripletPlan, Sampler[int]):
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             train_one_epoch(DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size))
-            sampler.update_class_neighbours(embed(train_set), train_set.labels)
-            # or, mining elsewhere: sampler.set_class_neighbours(table)
+            sampler.set_class_neighbours(table)  # e.g. from pksampler.train.mining
     """
 
-    def __iter__(self) -> Iterator[int]:
-        return itertools.chain.from_iterable(batch.tolist() for batch in self._iter_batches())
 
-    def __len__(self) -> int:
-        return self._remaining_steps() * self.batch_size
-
-
-class DistributedTripletBatchSampler(_TripletPlan, Sampler[list[int]]):
+class DistributedTripletBatchSampler(BatchForm, _TripletPlan, Sampler[list[int]]):
     """The batch form of :class:`DistributedTripletSampler`: one list of 3T indices per step."""
 
     _owner = "DistributedTripletBatchSampler"
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (batch.tolist() for batch in self._iter_batches())
-
-    def __len__(self) -> int:
-        return self._remaining_steps()

@@ -10,8 +10,9 @@ samples), S = floor(A / G) global steps.
    the last ``A - S*G`` anchors of that order (fewer than one step) wait for
    another epoch.
 2. Global position ``s*G + g`` holds triplet slot g of step s; rank r takes
-   slots ``[r*T, (r+1)*T)``. The plan never depends on W: the same global
-   triplets for any world size.
+   slots ``[r*T, (r+1)*T)``, or, when W does not divide G, a contiguous run
+   of ``ceil(G/W)`` (first ``G % W`` ranks) or ``floor(G/W)`` slots. The plan
+   never depends on W: the same global triplets for any world size.
 3. Positive: another sample of the anchor's class, chosen by a hash of
    (epoch key, position), never the anchor itself.
 4. Negative class: with probability ``hard_fraction`` (when a neighbour
@@ -30,6 +31,7 @@ import numpy as np
 
 from ._labels import ClassIndex
 from ._permute import keyed_permute, mix64
+from ._world import rank_share
 from .pk_plan import epoch_rng
 
 __all__ = ["AnchorIndex", "anchor_index", "check_neighbour_table", "count_triplet_steps", "triplet_batches"]
@@ -113,7 +115,7 @@ def _uniform_below(hashes: np.ndarray, bound: np.ndarray) -> np.ndarray:
 def triplet_batches(
     index: ClassIndex,
     anchors: AnchorIndex,
-    triplets_per_batch: int,
+    triplets_per_batch: int | None,
     num_replicas: int,
     rank: int,
     *,
@@ -123,20 +125,27 @@ def triplet_batches(
     hard_fraction: float = 0.0,
     start_step: int = 0,
     stop_step: int | None = None,
+    triplets_per_step: int | None = None,
 ) -> np.ndarray:
-    """One rank's triplets, shape ``(steps, triplets_per_batch, 3)`` of (anchor, positive, negative).
+    """One rank's triplets, shape ``(steps, T_r, 3)`` of (anchor, positive, negative).
+
+    Give ``triplets_per_batch`` (T, equal shares, ``G = W * T``) or
+    ``triplets_per_step`` (G, split as evenly as possible: rank r takes the
+    contiguous run of slots given by :func:`pksampler.samplers.rank_share`);
+    ``triplets_per_batch`` is ignored when ``triplets_per_step`` is given.
 
     ``neighbours`` is a ``(C, h)`` table of nearest class codes per class
     (``-1`` where unknown); with ``hard_fraction > 0`` that share of
     negatives comes from it.
     """
-    per_step = num_replicas * triplets_per_batch
+    per_step = num_replicas * triplets_per_batch if triplets_per_step is None else triplets_per_step
+    first, triplets_per_batch = rank_share(per_step, num_replicas, rank)
     num_steps = count_triplet_steps(anchors, per_step)
     stop_step = num_steps if stop_step is None else min(stop_step, num_steps)
     rng = epoch_rng(seed, epoch, stream=1)
     key = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
     steps = np.arange(start_step, stop_step, dtype=np.int64)
-    slots = rank * triplets_per_batch + np.arange(triplets_per_batch, dtype=np.int64)
+    slots = first + np.arange(triplets_per_batch, dtype=np.int64)
     position = (steps[:, None] * per_step + slots[None, :]).reshape(-1)
     if position.size == 0:
         return np.zeros((0, triplets_per_batch, 3), dtype=np.int64)

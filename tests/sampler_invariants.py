@@ -50,6 +50,39 @@ def sampler_configs(draw: st.DrawFn, max_world: int = 16) -> dict:
     }
 
 
+@st.composite
+def split_configs(draw: st.DrawFn, max_world: int = 12) -> dict:
+    """Like :func:`sampler_configs`, but the step holds G classes for any W <= G (W need not divide G)."""
+    world = draw(st.integers(1, max_world))
+    per_step = draw(st.integers(world, 4 * world))
+    k = draw(st.integers(1, 4))
+    kind = draw(st.sampled_from(["uniform", "zipf", "small", "dominant"]))
+    num_classes = draw(st.integers(per_step, per_step + 30))
+    num_samples = draw(st.integers(num_classes, 10 * num_classes))
+    labels = make_labels(kind, num_classes, num_samples, draw(st.integers(0, 2**31 - 1)))
+    return {"labels": labels, "world": world, "G": per_step, "K": k, "seed": draw(st.integers(0, 1000)),
+            "epoch": draw(st.integers(0, 5)), "kind": kind}
+
+
+def check_even_split(per_rank: list[np.ndarray], single: np.ndarray, unit: int) -> None:
+    """An uneven split is as even as possible, contiguous in rank order, and the ranks' steps equal one process's.
+
+    ``per_rank[r]`` is rank r's ``(steps, width_r)`` plan and ``single`` the
+    ``(steps, G * unit)`` plan of one process (``unit``: K indices per class,
+    or 1 triplet). Rank widths are ``ceil(G/W)`` then ``floor(G/W)`` units;
+    concatenated in rank order they are exactly the single process's steps.
+    """
+    world, total = len(per_rank), single.shape[1] // unit
+    widths = [b.shape[1] // unit for b in per_rank]
+    assert all(b.shape[1] % unit == 0 for b in per_rank), "a rank batch holds a partial chunk"
+    expected = [total // world + (r < total % world) for r in range(world)]
+    assert widths == expected, f"rank shares {widths}, expected the even split {expected} of {total} over {world}"
+    assert len({b.shape[0] for b in per_rank}) == 1, f"ranks take different numbers of steps: {[b.shape[0] for b in per_rank]}"
+    merged = np.concatenate(per_rank, axis=1)
+    assert merged.shape == single.shape, f"{merged.shape} != {single.shape}"
+    assert np.array_equal(merged, single), "the ranks' runs, in rank order, are not the single process's global steps"
+
+
 def check_rank_batches(batches: np.ndarray, labels: np.ndarray, P: int, K: int) -> None:
     """Guarantee 1: P*K indices, P distinct classes, K each, contiguous."""
     assert batches.ndim == 2 and batches.shape[1] == P * K, f"batch shape {batches.shape}, expected (*, {P * K})"

@@ -10,6 +10,9 @@
 * :func:`check_resume_compatible`: what a resumed run may change (epochs,
   evaluation cadence, workers, ...) takes effect; what it may not (model,
   optimizer, loss, seed, data, sampler) is refused with the keys listed.
+
+Which keys may change on resume and which may differ between ranks is said
+by the schema's fields (:mod:`pksampler.train.schema`), not here.
 """
 
 from __future__ import annotations
@@ -21,19 +24,15 @@ import numpy as np
 
 from .distributed import Backend
 from .rules import ConfigError
+from .schema import local_keys, resumable_keys
 
 __all__ = ["RESUMABLE_KEYS", "LOCAL_KEYS", "check_ranks_agree", "check_resume_compatible", "flatten", "raise_together"]
 
-#: keys a resumed run may change: they take effect from the resumed step on
-RESUMABLE_KEYS = frozenset({
-    "workspace", "data.root", "data.workers", "data.max_bad_fraction",
-    "train.epochs", "train.eval_every", "train.checkpoint_every", "train.resume", "train.threads",
-    "train.max_steps", "train.gallery_queries", "train.progress_every_seconds", "train.tensorboard",
-    "train.device", "train.precision", "distributed.backend",
-})
+#: keys a resumed run may change: they take effect from the resumed step (the schema's ``resumable`` fields)
+RESUMABLE_KEYS = resumable_keys()
 
-#: keys that may differ between ranks (per-host resources)
-LOCAL_KEYS = frozenset({"data.workers", "train.threads"})
+#: keys that may differ between ranks, per-host resources (the schema's ``local`` fields)
+LOCAL_KEYS = local_keys()
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

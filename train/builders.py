@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
 import torch
@@ -25,10 +25,13 @@ from pksampler.datasets import (
     train_preset,
 )
 from pksampler.datasets.base import LabelledDataset
-from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler
+from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
 
+from .finetune import parameter_groups
 from .rules import ConfigError
-from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
+
+if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
+    from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
 
 __all__ = [
     "DATA_SOURCES",
@@ -38,7 +41,6 @@ __all__ = [
     "build_optimizer",
     "build_sampler",
     "build_schedule",
-    "divisors_up_to",
     "per_rank_share",
 ]
 
@@ -115,25 +117,25 @@ def build_data(config: RunConfig) -> DataParts:
     )
 
 
-def divisors_up_to(total: int, limit: int = 64) -> list[int]:
-    """World sizes up to ``limit`` that divide ``total``."""
-    return [w for w in range(1, min(total, limit) + 1) if total % w == 0]
+def per_rank_share(total: int, world_size: int, key: str, rank: int = 0) -> int:
+    """Rank ``rank``'s share of ``total``: ``ceil`` or ``floor`` of ``total / world_size`` (an even split).
 
-
-def per_rank_share(total: int, world_size: int, key: str) -> int:
-    """``total / world_size``, or a ConfigError naming the key, both numbers and the sizes that work."""
-    if total % world_size:
+    Raises a ConfigError naming the key and both numbers when there are more
+    ranks than items: every rank needs at least one per step.
+    """
+    if world_size > total:
         raise ConfigError(
-            f"{key}={total} cannot be split over {world_size} ranks: the world size must divide it "
-            f"(world sizes that work: {', '.join(map(str, divisors_up_to(total)))})"
+            f"{key}={total} cannot be split over {world_size} ranks: every rank needs at least one per step, "
+            f"so the world size must be at most {total}"
         )
-    return total // world_size
+    return rank_share(total, world_size, rank)[1]
 
 
 def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
-    per_rank = per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step")
+    per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step", rank)
     try:
-        return DistributedBalancedBatchSampler(labels, per_rank, sampler.samples_per_class, num_replicas=world_size,
+        return DistributedBalancedBatchSampler(labels, samples_per_class=sampler.samples_per_class,
+                                               classes_per_step=sampler.classes_per_step, num_replicas=world_size,
                                                rank=rank, seed=seed, **sampler.args)
     except ValueError:
         # Counted only when the sampler refuses, so a good start-up never sorts 10^8 labels for it.
@@ -147,9 +149,9 @@ def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank:
 
 
 def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
-    per_rank = per_rank_share(sampler.triplets_per_step, world_size, "sampler.triplets_per_step")
-    return DistributedTripletBatchSampler(labels, per_rank, num_replicas=world_size, rank=rank, seed=seed,
-                                          **sampler.args)
+    per_rank_share(sampler.triplets_per_step, world_size, "sampler.triplets_per_step", rank)
+    return DistributedTripletBatchSampler(labels, triplets_per_step=sampler.triplets_per_step,
+                                          num_replicas=world_size, rank=rank, seed=seed, **sampler.args)
 
 
 #: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed)
@@ -157,7 +159,10 @@ SAMPLERS = {"balanced": _balanced, "triplet": _triplet}
 
 
 def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
-    """The batch sampler for this rank: P = G / W classes of the global step (or T / W triplets)."""
+    """The batch sampler for this rank: its share of the G classes (or triplets) of a global step.
+
+    The share is ``G / W``, or ``ceil``/``floor`` of it when W does not divide G.
+    """
     try:
         return SAMPLERS[sampler.name](sampler, labels, world_size, rank, seed)
     except TypeError as error:
@@ -169,10 +174,17 @@ def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, r
 
 
 def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int,
-                    extra_parameters: Iterable[torch.nn.Parameter] = ()) -> torch.optim.Optimizer:
-    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch."""
+                    extra_parameters: Iterable[torch.nn.Parameter] = (), *,
+                    freeze_backbone_steps: int = 0) -> torch.optim.Optimizer:
+    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch.
+
+    With ``optim.backbone_lr_scale`` != 1 or ``freeze_backbone_steps`` > 0 the
+    parameters form two groups, ``head`` at ``lr`` and ``backbone`` at
+    ``lr * backbone_lr_scale`` (:func:`.finetune.parameter_groups`).
+    """
     lr = optim.lr * global_batch / optim.base_batch
-    parameters = [*model.parameters(), *extra_parameters]
+    split = optim.backbone_lr_scale != 1.0 or freeze_backbone_steps > 0
+    parameters = parameter_groups(model, extra_parameters, lr, backbone_lr_scale=optim.backbone_lr_scale, split=split)
     if optim.name == "sgd":
         return torch.optim.SGD(parameters, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
     return torch.optim.AdamW(parameters, lr=lr, weight_decay=optim.weight_decay)

@@ -11,7 +11,11 @@ the all-gathered batch. Horovod's allgather averages the incoming gradients
 in backward and its optimizer averages again across ranks, so the loss is
 multiplied by the world size (``gathered_loss_scale``) to give the gradient of
 one process holding the global batch. torch's autograd all_gather sums in
-backward and DDP averages, which already gives that gradient.
+backward and DDP averages, which already gives that gradient. Both hold when
+ranks hold different numbers of samples (G not divisible by W): each rank's
+parameter gradient is the loss's gradient through its own rows only, the
+ranks' parts add up to the whole batch's gradient, and the averaging divides
+by W, not by sample counts, so the scale stays W (Horovod) or 1 (torch).
 """
 
 from __future__ import annotations
@@ -50,9 +54,12 @@ class Backend:
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return comm.allreduce_mean(tensor)
 
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate equal-sized tensors of all ranks along dim 0, keeping gradients."""
-        return comm.all_gather(tensor)
+    def allgather(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """Concatenate the tensors of all ranks along dim 0, keeping gradients; first dims may differ.
+
+        ``sizes``: every rank's first dim, when known (saves torch a small collective).
+        """
+        return comm.all_gather(tensor, sizes=sizes)
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         """``(F,)`` int64 row of every rank as a ``(W, F)`` array (fingerprints)."""

@@ -18,7 +18,6 @@ from pksampler.datasets import LabelledSubset
 from .distributed import Backend
 from .metrics import evaluate_retrieval
 from .render import save_gallery_png
-from .workspace import EventLog
 
 __all__ = ["HeldOutEvaluator", "embed"]
 
@@ -49,12 +48,12 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
 
 
 class HeldOutEvaluator:
-    """Recall@K, MAP@R etc. on held-out classes, a result gallery PNG and a log record per call."""
+    """Recall@K, MAP@R etc. on held-out classes and a result gallery PNG per call (the hook records them)."""
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
-                 galleries: Path, gallery_queries: int, log: EventLog) -> None:
+                 galleries: Path, gallery_queries: int) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
-        self.galleries, self.gallery_queries, self.log = galleries, gallery_queries, log
+        self.galleries, self.gallery_queries = galleries, gallery_queries
         self.last_gallery: Path | None = None
 
     def __call__(self, epoch: int, global_step: int = 0) -> dict[str, float]:
@@ -65,7 +64,6 @@ class HeldOutEvaluator:
         queries = np.unique(np.linspace(0, len(labels) - 1, num=min(self.gallery_queries, len(labels))).astype(int))
         result = evaluate_retrieval(embeddings, labels, ks=(1, 5, 10), neighbour_rows=queries, num_neighbours=5)
         metrics = result.metrics
-        self.log.write(type="eval", epoch=epoch, global_step=global_step, **metrics)
         print(f"[pksampler] epoch {epoch}: " + " ".join(
             f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float)), flush=True)
         self.last_gallery = self._gallery(epoch, queries, result, metrics)

@@ -2,7 +2,8 @@
 
 Plain functions, numpy in and numpy out (the faiss ``contrib`` style); faiss
 is imported here, never by the samplers. The triplet sampler receives the
-result as a plain table (:meth:`DistributedTripletSampler.set_class_neighbours`).
+result as a plain table (:meth:`DistributedTripletSampler.set_class_neighbours`);
+:class:`pksampler.train.hooks.HardNegativeHook` mines after each epoch.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import numpy as np
 
 from pksampler.arrays import as_numpy
 
-__all__ = ["class_neighbours"]
+__all__ = ["class_neighbours", "mine_class_neighbours"]
 
 
 def _as_numpy(value: Any) -> np.ndarray:
@@ -82,3 +83,32 @@ def class_neighbours(embeddings: Any, codes: Any, num_classes: int, hard_classes
     valid = ~np.take_along_axis(drop, order, axis=1)[:, :hard_classes]
     table[present_codes, : ids.shape[1]] = np.where(valid, present_codes[np.maximum(ids, 0)], -1)
     return table
+
+
+def mine_class_neighbours(embeddings: Any, labels: Any, index: Any, hard_classes: int) -> np.ndarray:
+    """:func:`class_neighbours` for a sampler: ``labels`` mapped to the codes of its class index.
+
+    Args:
+        embeddings: ``(n, d)`` embeddings of any subset of the sampler's data.
+        labels: ``(n,)`` their labels, all known to ``index``.
+        index: the sampler's :class:`~pksampler.samplers.ClassIndex` (``sampler.index``).
+        hard_classes: neighbours per class (``sampler.hard_classes``).
+
+    Returns the table for ``sampler.set_class_neighbours``.
+    """
+    owner = "mine_class_neighbours"
+    labels = as_numpy(labels, name=f"{owner}(labels=)", kinds=None, contiguous=False)
+    rows = np.shape(embeddings)[0] if np.ndim(embeddings) >= 1 else 0
+    if labels.shape != (rows,):
+        raise ValueError(f"{owner}(labels=) must have shape ({rows},), one label per embedding row, got {labels.shape}")
+    codes, known = index.codes_of(labels)
+    if not known.all():
+        unknown = labels[~known][:3].tolist()
+        raise ValueError(
+            f"{owner}(labels=) has labels the sampler does not know, e.g. {unknown}: "
+            "the class-neighbour table must come from the sampler's labels"
+        )
+    try:
+        return class_neighbours(embeddings, codes, index.num_classes, hard_classes)
+    except ValueError as error:
+        raise ValueError(f"{owner}: {error}") from None

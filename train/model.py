@@ -1,14 +1,41 @@
-"""Embedding network in plain torch: a compact ResNet-style backbone and an L2-normalised head."""
+"""Embedding networks in plain torch: a backbone, global pooling, a linear head (+ neck), L2-normalised.
+
+Backbones (``model.backbone``):
+
+* ``resnet``: the compact demo network (:class:`EmbeddingNet`; ``width`` and
+  ``depth`` apply to it alone);
+* ``resnet18``, ``resnet34``, ``resnet50``, ``resnet101``: torchvision's
+  ResNets with torchvision's tensor names (:mod:`.resnet`), normalised by
+  ``model.norm``;
+* ``vit_small_patch16``, ``vit_base_patch16``: ViTs with timm's tensor names
+  (:mod:`.vit`; LayerNorm whatever ``model.norm`` says), pooled over their
+  patch tokens;
+* ``torchvision:<name>``: any torchvision classification network with an
+  ``fc`` layer, where torchvision imports.
+
+The standard backbones take ``model.pretrained`` weights (:mod:`.pretrained`)
+and the fine-tuning options of :mod:`.finetune`.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["EmbeddingNet", "GeM", "build_model"]
+from .frozen_norm import freeze_batch_norm
+from .resnet import RESNETS, resnet
+from .rules import ConfigError
+from .vit import VITS, vit
+
+__all__ = ["BACKBONES", "BackboneEmbedding", "EmbeddingNet", "GeM", "build_model"]
+
+#: the demo network's ``model.backbone`` name
+DEMO = "resnet"
+#: the values of ``model.backbone`` (besides ``torchvision:<name>``)
+BACKBONES = (DEMO, *RESNETS, *VITS)
 
 NormFactory = Callable[[int], nn.Module]
 POOLINGS = ("avg", "gem", "avgmax")
@@ -150,6 +177,31 @@ class EmbeddingNet(nn.Module):
         features = self.stages(self.stem(images))
         return F.normalize(self.neck(self.head(self.pool(features))), dim=1)
 
+    def backbone_parameters(self) -> Iterator[nn.Parameter]:
+        """The trunk's parameters (stem and stages), for the fine-tuning options."""
+        yield from self.stem.parameters()
+        yield from self.stages.parameters()
+
+
+class BackboneEmbedding(nn.Module):
+    """A backbone that returns a (N, C, H, W) map, then pooling, a linear head, the neck and the L2 norm.
+
+    The backbone is the ``backbone`` sub-module, so its tensors are named
+    ``backbone.<torchvision or timm name>`` in checkpoints.
+    """
+
+    def __init__(self, backbone: nn.Module, embedding_dim: int, *, pooling: str = "avg", neck: str = "none",
+                 sync_batch_norm: type[nn.Module] | None = None) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.pool = _Pool(pooling)
+        self.head = nn.Linear(backbone.num_features * (2 if pooling == "avgmax" else 1), embedding_dim)
+        self.neck = _neck(neck, embedding_dim, sync_batch_norm)
+        self.embedding_dim = embedding_dim
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return F.normalize(self.neck(self.head(self.pool(self.backbone(images)))), dim=1)
+
 
 class TorchvisionEmbedding(nn.Module):
     """A torchvision backbone (when torchvision imports) with the same embedding head and neck."""
@@ -157,10 +209,16 @@ class TorchvisionEmbedding(nn.Module):
     def __init__(self, name: str, embedding_dim: int, neck: str = "none") -> None:
         super().__init__()
         try:
-            import torchvision
+            import torchvision.models as models
         except Exception as error:  # torchvision missing or built for another torch
-            raise ValueError(f"model.backbone={'torchvision:' + name!r} needs a working torchvision: {error}") from None
-        backbone = getattr(torchvision.models, name)(weights=None)
+            raise ConfigError(f"model.backbone={'torchvision:' + name!r} needs a working torchvision: {error}") from None
+        constructor = getattr(models, name, None)
+        if not callable(constructor):
+            raise ConfigError(f"model.backbone: torchvision has no model {name!r}")
+        backbone = constructor(weights=None)
+        if not isinstance(getattr(backbone, "fc", None), nn.Linear):
+            raise ConfigError(f"model.backbone: torchvision:{name} has no `fc` classifier to replace; use a "
+                             "ResNet-like torchvision model (resnet*, resnext*, wide_resnet*, regnet*)")
         features = backbone.fc.in_features
         backbone.fc = nn.Identity()
         self.backbone, self.head = backbone, nn.Linear(features, embedding_dim)
@@ -170,15 +228,52 @@ class TorchvisionEmbedding(nn.Module):
         return F.normalize(self.neck(self.head(self.backbone(images))), dim=1)
 
 
-def build_model(config, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
-    """The model a ModelConfig describes."""
-    if config.backbone.startswith("torchvision:"):
+def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image_size: int = 224) -> nn.Module:
+    """The model a ModelConfig describes, for ``image_size`` px images (a ViT's position grid).
+
+    Pretrained weights are not loaded here (:func:`.pretrained.load_pretrained` does, on rank 0).
+    """
+    _check_pretrained(config)
+    name = config.backbone
+    if name.startswith("torchvision:"):
         if config.pooling != "avg":
-            raise ValueError(f"model.pooling={config.pooling!r} applies to backbone 'resnet' only; "
+            raise ConfigError(f"model.pooling={config.pooling!r} applies to our own backbones only; "
                              f"torchvision backbones pool with their own layer (use 'avg')")
-        return TorchvisionEmbedding(config.backbone.split(":", 1)[1], config.embedding_dim, config.neck)
-    if config.backbone != "resnet":
-        raise ValueError(f"model.backbone must be 'resnet' or 'torchvision:<name>', got {config.backbone!r}")
-    return EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
-                        norm_factory(config.norm, sync_batch_norm),
-                        pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm)
+        model: nn.Module = TorchvisionEmbedding(name.split(":", 1)[1], config.embedding_dim, config.neck)
+    elif name == DEMO:
+        model = EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
+                             norm_factory(config.norm, sync_batch_norm),
+                             pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm)
+    elif name in RESNETS or name in VITS:
+        if name in VITS and config.pooling == "gem":
+            raise ConfigError(f"model.pooling: 'gem' needs non-negative features and a ViT's tokens are not; "
+                              f"use 'avg' (mean of the patch tokens) or 'avgmax' with backbone {name!r}")
+        trunk = (resnet(name, norm_factory(config.norm, sync_batch_norm)) if name in RESNETS
+                 else vit(name, image_size=image_size))
+        model = BackboneEmbedding(trunk, config.embedding_dim, pooling=config.pooling, neck=config.neck,
+                                  sync_batch_norm=sync_batch_norm)
+    else:
+        raise ConfigError(f"model.backbone must be one of {list(BACKBONES)} or 'torchvision:<name>', got {name!r}")
+    if config.freeze_norm:
+        _freeze_norm(model, config)
+    return model
+
+
+def _check_pretrained(config) -> None:
+    """Pretrained weights need a backbone that has them, with the layers they were trained with."""
+    if not config.pretrained:
+        return
+    if config.backbone == DEMO:
+        raise ConfigError(f"model.pretrained: the demo backbone {DEMO!r} has no published weights; use one of "
+                          f"{list(BACKBONES[1:])} or torchvision:<name>")
+    if config.backbone in RESNETS and config.norm not in ("batch", "sync_batch"):
+        raise ConfigError(f"model.norm: pretrained ResNet weights were trained with BatchNorm (bn1.running_mean, "
+                          f"...), which model.norm={config.norm!r} has no place for; set model.norm: batch (or "
+                          "sync_batch on GPUs), usually with model.freeze_norm: true")
+
+
+def _freeze_norm(model: nn.Module, config) -> None:
+    trunks = [model.stem, model.stages] if isinstance(model, EmbeddingNet) else [model.backbone]
+    if sum(freeze_batch_norm(trunk) for trunk in trunks) == 0:
+        raise ConfigError(f"model.freeze_norm: backbone {config.backbone!r} with model.norm={config.norm!r} has no "
+                          "BatchNorm layer to freeze (use model.norm: batch, or leave freeze_norm off)")

@@ -18,9 +18,7 @@ from pksampler.comm import launcher_world
 
 from .rules import ConfigError
 
-__all__ = ["PLATFORM_VARIABLES", "apply_environment", "parse_override", "set_path"]
-
-PLATFORM_VARIABLES = ("DATASETS_PATH", "DATASETS", "WORKSPACE", "EPOCHS", "LR", "BATCH_SIZE", "WORKER_PER_NODE")
+__all__ = ["apply_environment", "parse_override", "set_path"]
 
 
 def set_path(tree: dict, dotted: str, value: Any) -> None:

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     path = args.config if args.config is not None else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None)
     try:
         config = load_config(path, overrides)
-        from pksampler.train.trainer import main as train_main
+        from pksampler.train.run_setup import main as train_main
 
         result = train_main(config, extra_hooks)
     except (ConfigError, SamplerMismatchError) as error:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
+
+from pksampler.samplers._validate import SEED_LIMIT
 
 __all__ = [
     "ConfigError",
@@ -17,19 +19,18 @@ __all__ = [
     "choice",
     "closed_interval",
     "int_at_least",
+    "non_empty_string",
     "non_negative_finite",
     "open_interval",
     "optional",
     "positive_finite",
     "positive_int",
     "positive_int_list",
+    "memory",
     "seed",
 ]
 
 Rule = Callable[[str, Any], None]
-
-#: seeds feed numpy's SeedSequence and the int64 consistency fingerprint
-SEED_LIMIT = 2**63
 
 
 class ConfigError(ValueError):
@@ -61,6 +62,7 @@ def positive_int_list(path: str, value: Any) -> None:
 
 
 def seed(path: str, value: Any) -> None:
+    """A seed of the samplers' range (``SEED_LIMIT``: numpy's SeedSequence and the int64 fingerprint)."""
     if not _is_int(value) or not 0 <= value < SEED_LIMIT:
         raise ConfigError(f"{path}: must be an integer in [0, 2**63), got {value!r}")
 
@@ -73,6 +75,11 @@ def positive_finite(path: str, value: Any) -> None:
 def non_negative_finite(path: str, value: Any) -> None:
     if not _is_real(value) or not math.isfinite(value) or value < 0:
         raise ConfigError(f"{path}: must be a finite number >= 0, got {value!r}")
+
+
+def non_empty_string(path: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"{path}: must be a non-empty string, got {value!r}")
 
 
 def open_interval(low: float, high: float) -> Rule:
@@ -111,3 +118,21 @@ def choice(options: Callable[[], Iterable[str]], *, prefixes: tuple[str, ...] = 
         raise ConfigError(f"{path}: must be one of {allowed}{extra}, got {value!r}")
 
     return rule
+
+
+#: ``loss.memory`` keys and their rules (cross-batch memory: :func:`pksampler.train.memory.build_memory`)
+MEMORY_KEYS: dict[str, Rule] = {"size": positive_int, "size_items": positive_int, "warmup_steps": int_at_least(0)}
+
+
+def memory(path: str, value: Any) -> None:
+    """``{size: M, warmup_steps: N}`` (or ``size_items`` instead of ``size``): known keys, exactly one size."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(MEMORY_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {sorted(MEMORY_KEYS)})")
+    for key, rule in MEMORY_KEYS.items():
+        if key in value:
+            rule(f"{path}.{key}", value[key])
+    if ("size" in value) == ("size_items" in value):
+        raise ConfigError(f"{path}: needs exactly one of size (batches) and size_items (rows), got {dict(value)!r}")

@@ -1,32 +1,42 @@
-"""Assemble a training run from its config, in the Horovod order, once.
+"""The application layer: assemble a training run from its config, in the Horovod order, once.
+
+:func:`train` and :func:`main` live here (detectron2's ``defaults.py`` over
+``train_loop.py``): this module knows the config and imports the loop
+(:mod:`.trainer`) and the hooks, never the other way round.
 
 1. threads and seed; rank 0 takes the workspace (lock, folders, stale temporaries);
-2. data and the sampler (P = G / W), failures raised together on every rank;
+2. data and the sampler (P = G / W, or its ceil/floor), failures raised together on every rank;
 3. every rank's config and labels compared (a mismatch fails fast, named);
 4. model on the rank's device, optimizer (lr scaled with the global batch),
    wrapped for allreduce before any state is loaded, schedule, loss;
 5. resume: rank 0 reads ``last.pt`` (tensors and plain data only), checks what
-   changed, everyone receives it; parameters and optimizer state broadcast;
-6. hooks: metrics log, progress, evaluation, hard negatives, checkpoints,
-   final artifacts, then the caller's.
+   changed, everyone receives it and loads it (:meth:`Trainer.load_state_dict`);
+   parameters and optimizer state broadcast; rank 0 reads the run's events
+   back from ``metrics.jsonl``;
+6. hooks: progress, hard negatives, bad images, checkpoints (before
+   evaluation), evaluation, final artifacts, the metrics log and TensorBoard,
+   then the caller's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
 import torch
 
+from pksampler.datasets import LabelledSubset, eval_preset
 from pksampler.files import atomic_write_text
 
 from .agreement import check_ranks_agree, check_resume_compatible, raise_together
 from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import load_checkpoint, save_checkpoint, to_numpy
-from .distributed import Backend
+from .checkpoint import load_checkpoint, save_checkpoint
+from .distributed import Backend, make_backend
+from .events import EventStorage
+from .finetune import FreezeBackboneHook
 from .heldout import HeldOutEvaluator, embed
 from .hooks import (
     BadImageHook,
@@ -43,14 +53,26 @@ from .losses import build_loss
 from .memory import build_memory
 from .model import build_model
 from .plots import save_curves_png
+from .pretrained import load_pretrained
 from .progress import Progress
 from .rules import ConfigError
 from .schema import RunConfig
-from .tensorboard import TensorBoardWriter
-from .trainer import StepParts, Trainer, TrainState
+from .tensorboard import TensorBoardWriter, available as tensorboard_available
+from .trainer import StepParts, Trainer
 from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
-__all__ = ["Run", "assemble"]
+__all__ = ["CHECKPOINT_FORMAT", "Run", "TrainResult", "assemble", "main", "train"]
+
+#: the layout of ``last.pt``/``best.pt``: :meth:`Trainer.state_dict` plus ``format`` and ``config``
+CHECKPOINT_FORMAT = 2
+
+
+@dataclass
+class TrainResult:
+    global_step: int
+    epochs_done: int
+    final_metrics: dict[str, float]
+    workspace: Path
 
 
 @dataclass
@@ -85,13 +107,24 @@ def _prepare(config: RunConfig, backend: Backend) -> tuple[WorkspaceLock | None,
     return lock, data, sampler
 
 
-def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any) -> StepParts:
-    global_batch = sampler.batch_size * backend.size
+def _model(config: RunConfig, backend: Backend, model: torch.nn.Module | None) -> torch.nn.Module:
+    """The caller's model, or the one ``model:`` configures; on the rank's device either way."""
+    if model is not None:
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"train(model=) expects a torch.nn.Module mapping images to embeddings, "
+                            f"got {type(model).__name__}")
+        return backend.setup.prepare_model(model)
     if config.model.norm == "sync_batch" and not backend.setup.is_cuda:
         raise ConfigError("model.norm: 'sync_batch' needs GPUs (Horovod's and torch's SyncBatchNorm refuse CPU "
                           f"tensors; this run is on {backend.device}); use 'group' or 'batch' on the CPU")
     norm_class = backend.sync_batch_norm() if config.model.norm == "sync_batch" else None
-    model = backend.setup.prepare_model(build_model(config.model, norm_class))
+    return backend.setup.prepare_model(build_model(config.model, norm_class, image_size=config.data.image_size))
+
+
+def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any,
+                model: torch.nn.Module | None = None) -> StepParts:
+    global_batch = sampler.global_batch_size  # per-rank sizes differ when W does not divide G
+    model = _model(config, backend, model)
     try:
         memory = build_memory(config.loss.memory, device=backend.device)
         loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
@@ -99,7 +132,8 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         raise ConfigError(str(error)) from None
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
-    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters())
+    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
+                                freeze_backbone_steps=config.model.freeze_backbone_steps)
     # Wrap before loading any state: Horovod's DistributedOptimizer is a new
     # optimizer built from the param groups and does not carry state over.
     train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
@@ -115,23 +149,6 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
     )
 
 
-def _checkpoint_state(trainer: Trainer, config: RunConfig) -> dict[str, Any]:
-    parts, state = trainer.parts, trainer.state
-    saved = {k: v for k, v in asdict(state).items() if k not in ("stop",)}
-    return {
-        "format": 2,
-        "model": parts.model.state_dict(),
-        "optimizer": parts.optimizer.state_dict(),
-        "scheduler": parts.scheduler.state_dict(),
-        "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-        "loss": parts.loss_fn.state_dict(),
-        "state": saved,
-        "sampler": trainer.sampler_position(),
-        "world_size": parts.backend.size,
-        "config": config.to_dict(),
-    }
-
-
 def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | None:
     """Rank 0 reads and checks ``last.pt``; every rank receives it (or the same error)."""
     path = Path(config.workspace) / "checkpoints" / "last.pt"
@@ -139,7 +156,7 @@ def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | 
     if config.train.resume and backend.rank == 0 and path.is_file():
         try:
             state = load_checkpoint(path)
-            if state.get("format") != 2:
+            if state.get("format") != CHECKPOINT_FORMAT:
                 raise ConfigError(f"checkpoint {path} was written by another version of pksampler; "
                                   "start afresh with --no-resume or another WORKSPACE")
             check_resume_compatible(state["config"], config.to_dict(), str(path))
@@ -149,68 +166,73 @@ def _load_resume_state(config: RunConfig, backend: Backend) -> dict[str, Any] | 
     return backend.broadcast_object(state, name="pksampler.resume_state") if backend.size > 1 else state
 
 
-def _restore(trainer: Trainer, saved: dict[str, Any]) -> None:
-    parts = trainer.parts
-    parts.model.load_state_dict(saved["model"])
-    parts.optimizer.load_state_dict(saved["optimizer"])
-    parts.scheduler.load_state_dict(saved["scheduler"])
-    parts.loss_fn.load_state_dict(saved["loss"])
-    if parts.scaler is not None and saved.get("scaler"):
-        parts.scaler.load_state_dict(saved["scaler"])
-    trainer.state = TrainState(**saved["state"])
-    trainer.resume_sampler_state = to_numpy(saved["sampler"])
-
-
-def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, save) -> list[HookBase]:
+def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
+           checkpoints: CheckpointHook) -> list[HookBase]:
+    """The standard hooks in their order: the epoch's checkpoint is written before evaluation."""
     backend, parts = trainer.parts.backend, trainer.parts
     is_main = backend.rank == 0
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
-                                 gallery_queries=config.train.gallery_queries, log=log)
-    hooks: list[HookBase] = [
-        EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), save,
-                       every=config.train.eval_every, epochs=config.train.epochs, is_main=is_main),
+                                 gallery_queries=config.train.gallery_queries)
+    hooks: list[HookBase] = []
+    if is_main:
+        hooks.append(ProgressHook(Progress(parts.sampler.num_batches, config.train.epochs,
+                                           every_seconds=config.train.progress_every_seconds)))
+    if getattr(parts.sampler, "needs_class_neighbours", False):
+        hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
+                                      parts.sampler, backend, epochs=config.train.epochs))
+    if hasattr(data.train, "bad_image_counts"):
+        hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, is_main=is_main))
+    if config.model.freeze_backbone_steps:
+        hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
+    hooks += [
+        checkpoints,
+        EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,
+                       every=config.train.eval_every, epochs=config.train.epochs, is_main=is_main,
+                       gallery=lambda: evaluator.last_gallery),
     ]
     if is_main:
-        progress = Progress(parts.sampler.num_batches, config.train.epochs,
-                            every_seconds=config.train.progress_every_seconds)
-        hooks = [MetricsLogHook(log), ProgressHook(progress), *hooks,
-                 FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs)]
+        hooks += [FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs), MetricsLogHook(log)]
         if _tensorboard_wanted(config.train.tensorboard):
-            hooks.append(TensorBoardHook(TensorBoardWriter(workspace), lambda: evaluator.last_gallery))
-    if hasattr(data.train, "bad_image_counts"):
-        hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, log=log,
-                                  is_main=is_main))
-    if getattr(parts.sampler, "negatives", None) == "hard":
-        hooks.append(HardNegativeHook(lambda: _refresh_hard_negatives(parts, data, config.data.image_size),
-                                      epochs=config.train.epochs))
-    hooks.append(CheckpointHook(save, every=config.train.checkpoint_every, max_steps=config.train.max_steps))
+            hooks.append(TensorBoardHook(TensorBoardWriter(workspace)))
     return hooks
 
 
 def _tensorboard_wanted(setting: bool | None) -> bool:
     """``train.tensorboard``: true, false, or null = on when the tensorboard package is installed."""
-    from . import tensorboard
-
-    return tensorboard.available() if setting is None else setting
+    return tensorboard_available() if setting is None else setting
 
 
-def _save_curves(path: Path, history: dict[str, list]) -> None:
-    save_curves_png(path, history["loss_steps"], history["losses"], history["eval_epochs"], history["recalls"],
-                    history.get("map_at_r"))
+def _save_curves(path: Path, storage: EventStorage) -> None:
+    """The curves PNG from the run's events: loss per step, retrieval per evaluation."""
+    steps, losses = storage.series("loss")
+    evaluations = storage.records("eval")
+    save_curves_png(path, steps, losses, [r["epoch"] for r in evaluations], [r["recall_at_1"] for r in evaluations],
+                    [r.get("map_at_r", float("nan")) for r in evaluations])
 
 
-def _refresh_hard_negatives(parts: StepParts, data: DataParts, image_size: int) -> None:
-    """Embed the training images (no augmentation) and give the sampler a fresh class-neighbour table."""
-    from pksampler.datasets import LabelledSubset, eval_preset
-
+def _embed_training_set(parts: StepParts, data: DataParts, image_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Embeddings of the training images (no augmentation) and their labels, the same on every rank."""
     plain = LabelledSubset(data.dataset, data.train.indices, transform=eval_preset(image_size))
-    embeddings = embed(parts.model, plain, parts.backend)
-    parts.sampler.update_class_neighbours(embeddings, plain.labels, broadcast=lambda table: parts.backend.broadcast_object(
-        table, name="pksampler.class_neighbours"))
+    return embed(parts.model, plain, parts.backend), plain.labels
 
 
-def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = ()) -> Run:
+def _replay_events(trainer: Trainer, path: Path) -> None:
+    """A resumed run's history from ``metrics.jsonl`` (already cut back to the checkpoint's step).
+
+    The epoch's checkpoint is written before its evaluation, so an evaluation
+    logged after the checkpoint also sets ``best`` and the latest metrics.
+    """
+    trainer.storage.replay(path)
+    evaluations = trainer.storage.records("eval")
+    if evaluations:
+        state = trainer.state
+        state.best = max(state.best, *(float(r["recall_at_1"]) for r in evaluations))
+        state.final_metrics = {k: v for k, v in evaluations[-1].items() if k not in ("type", "epoch", "global_step")}
+
+
+def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,
+             model: torch.nn.Module | None = None) -> Run:
     """Build every part of a run; the config is read here and nowhere else."""
     torch.set_num_threads(config.train.threads)
     torch.manual_seed(config.seed)
@@ -219,11 +241,13 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
         # labels compared here, so the sampler's own consistency check would only repeat it.
         check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
-        parts = _step_parts(config, backend, data, sampler)
+        parts = _step_parts(config, backend, data, sampler, model)
         trainer = Trainer(parts, [])
         saved = _load_resume_state(config, backend)
         if saved is not None:
-            _restore(trainer, saved)
+            trainer.load_state_dict(saved)
+        elif config.model.pretrained:
+            load_pretrained(parts.model, config.model.pretrained, backend, name=config.model.backbone)
         backend.broadcast_state(parts.model, parts.optimizer)
     except BaseException:
         if lock is not None:
@@ -234,20 +258,68 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     log = EventLog(workspace / "metrics.jsonl", is_main)
     if saved is not None:
         log.truncate_after(trainer.state.global_step)
+        if is_main:
+            _replay_events(trainer, workspace / "metrics.jsonl")
     if is_main:
         with writing(workspace / "config.json"):
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
         _announce(config, backend, data, trainer, resumed=saved is not None)
 
-    def save(name: str) -> None:
-        if not is_main:
-            return
+    def write(name: str, checkpoint: dict[str, Any]) -> None:
         path = workspace / "checkpoints" / name
         with writing(path, "; the previous checkpoint is intact"):
-            save_checkpoint(path, _checkpoint_state(trainer, config))
+            save_checkpoint(path, checkpoint)
 
-    trainer.register([*_hooks(config, trainer, data, log, save), *extra_hooks])
+    checkpoints = CheckpointHook(write, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
+                                 metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()}, is_main=is_main)
+    trainer.register([*_hooks(config, trainer, data, log, checkpoints), *extra_hooks])
     return Run(trainer, workspace, log, lock)
+
+
+def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,
+          model: torch.nn.Module | None = None) -> TrainResult:
+    """Run training as ``config`` says on ``backend``; ``extra_hooks`` run after the standard ones.
+
+    ``model`` replaces the configured one (``model:`` is then not read): any
+    ``torch.nn.Module`` that maps an image batch ``(B, 3, H, W)`` to
+    embeddings ``(B, D)``. It is moved to the rank's device, wrapped for
+    allreduce, checkpointed and evaluated like the built-in model; the
+    losses expect L2-normalised rows, so end it with a normalisation. A
+    resumed run must be given the same architecture.
+
+    Example::
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3), torch.nn.AdaptiveAvgPool2d(1),
+                                                torch.nn.Flatten(), torch.nn.Linear(16, 32))
+
+            def forward(self, images):
+                return torch.nn.functional.normalize(self.body(images), dim=1)
+
+        result = train(load_config("configs/demo.yaml"), Backend(), model=Net())
+    """
+    run = assemble(config, backend, extra_hooks, model=model)
+    try:
+        state = run.trainer.train()
+    finally:
+        run.close()
+    return TrainResult(state.global_step, state.epoch, state.final_metrics, run.workspace)
+
+
+def main(config: RunConfig, extra_hooks: Iterable[HookBase] = (), *,
+         model: torch.nn.Module | None = None) -> TrainResult:
+    """Initialise the backend chosen by the config and train."""
+    backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision)
+    try:
+        result = train(config, backend, extra_hooks, model=model)
+        # Leave together: a rank that exits while another still uses the group
+        # (rank 0 writing the last checkpoint) would abort it.
+        backend.barrier()
+    finally:
+        backend.shutdown()
+    return result
 
 
 def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Trainer, *, resumed: bool) -> None:

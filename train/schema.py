@@ -1,16 +1,26 @@
 """The run configuration's schema: frozen dataclasses whose fields carry their own rules.
 
-Every field that needs more than its type says so in ``metadata["rule"]``
-(see :mod:`pksampler.train.rules`); :func:`validate` walks the tree once and
-raises :class:`ConfigError` naming the dotted key, the value and the rule.
+This module answers "what is a valid config". Each field says, in its
+metadata:
+
+* ``rule``: what a value must be (see :mod:`pksampler.train.rules`);
+  :func:`validate` walks the tree once and raises :class:`ConfigError`
+  naming the dotted key, the value and the rule;
+* ``resumable``: a resumed run may change it (it takes effect from the
+  resumed step); every other key must match the checkpoint's config;
+* ``local``: ranks may disagree on it (per-host resources); every other key
+  must be the same on every rank.
+
+:func:`resumable_keys` and :func:`local_keys` read those flags for the
+checks in :mod:`pksampler.train.agreement`.
 Choice lists are not typed here: they come from the registries that
 implement them (data sources, samplers, norms, losses), so a new entry in a
 registry is a new valid value.
 
 The batch is configured globally: ``sampler.classes_per_step`` (G) classes
 of ``sampler.samples_per_class`` (K) images per global step; each of the W
-ranks takes P = G / W classes. The same file trains the same global batches
-at every world size that divides G.
+ranks takes P = G / W classes (ceil or floor of it when W does not divide
+G). The same file trains the same global batches at every world size up to G.
 """
 
 from __future__ import annotations
@@ -33,14 +43,18 @@ __all__ = [
     "RunConfig",
     "SamplerConfig",
     "TrainConfig",
+    "local_keys",
+    "resumable_keys",
     "validate",
 ]
 
 
-def _rule(default: Any, rule: rules.Rule, **kwargs: Any) -> Any:
+def _rule(default: Any, rule: rules.Rule | None, *, resumable: bool = False, local: bool = False) -> Any:
+    """A field with its rule and its resume/agreement flags (see the module docstring)."""
+    metadata = {"rule": rule, "resumable": resumable, "local": local}
     if callable(default) and not isinstance(default, (int, float, str, bool)):
-        return field(default_factory=default, metadata={"rule": rule}, **kwargs)
-    return field(default=default, metadata={"rule": rule}, **kwargs)
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -55,12 +69,12 @@ class DataConfig:
 
     name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
     args: Mapping[str, Any] = field(default_factory=lambda: {"num_classes": 160, "images_per_class": 16, "image_size": 48})
-    root: str | None = None
+    root: str | None = _rule(None, None, resumable=True)
     test_fraction: float = _rule(0.3, rules.open_interval(0.0, 1.0))
     image_size: int = _rule(40, rules.positive_int)
-    workers: int = _rule(1, rules.int_at_least(0))
+    workers: int = _rule(1, rules.int_at_least(0), resumable=True, local=True)
     split_seed: int = _rule(0, rules.seed)
-    max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0))
+    max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0), resumable=True)
 
 
 @dataclass(frozen=True)
@@ -83,15 +97,27 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Compact ResNet-style backbone with an L2-normalised embedding head."""
+    """A backbone with an L2-normalised embedding head (``pksampler.train.model``).
 
-    backbone: str = "resnet"  # resnet | torchvision:<name>
+    ``backbone``: ``resnet`` (the compact demo network; ``width`` and
+    ``depth`` apply to it alone), ``resnet18/34/50/101`` (torchvision's
+    names), ``vit_small_patch16`` / ``vit_base_patch16`` (timm's names) or
+    ``torchvision:<name>``. ``pretrained``: a ``.pth`` or ``.safetensors``
+    file of backbone weights. ``freeze_norm``: the backbone's BatchNorm
+    statistics and affine parameters stay as loaded. ``freeze_backbone_steps``:
+    the backbone is not updated for the first N optimizer steps.
+    """
+
+    backbone: str = _rule("resnet", rules.choice(lambda: _registry("backbone"), prefixes=("torchvision:",)))
     width: int = _rule(32, rules.positive_int)
     depth: tuple[int, ...] = _rule((1, 1, 1, 1), rules.positive_int_list)
     embedding_dim: int = _rule(64, rules.positive_int)
     norm: str = _rule("group", rules.choice(lambda: _registry("norm")))
     pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
     neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+    pretrained: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)  # read on a fresh start only
+    freeze_norm: bool = False
+    freeze_backbone_steps: int = _rule(0, rules.int_at_least(0))
 
 
 @dataclass(frozen=True)
@@ -104,14 +130,15 @@ class LossConfig:
     name: str = _rule("multi_similarity", rules.choice(lambda: _registry("loss"), prefixes=("pml.",)))
     args: Mapping[str, Any] = field(default_factory=dict)
     miner: Mapping[str, Any] | None = None
-    memory: Mapping[str, Any] | None = None
+    memory: Mapping[str, Any] | None = _rule(None, rules.optional(rules.memory))
 
 
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW or SGD. ``lr`` is for ``base_batch`` images per global step; the
     effective rate scales linearly with the global batch, after a linear
-    warm-up, then cosine decay."""
+    warm-up, then cosine decay. ``backbone_lr_scale``: the backbone's
+    parameters learn at ``lr * backbone_lr_scale`` (the head at ``lr``)."""
 
     name: str = _rule("adamw", rules.choice(lambda: ("adamw", "sgd")))
     lr: float = _rule(0.004, rules.positive_finite)
@@ -119,35 +146,36 @@ class OptimConfig:
     weight_decay: float = _rule(0.0005, rules.non_negative_finite)
     momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
     warmup_steps: int = _rule(30, rules.int_at_least(0))
+    backbone_lr_scale: float = _rule(1.0, rules.non_negative_finite)  # backbone group at lr * scale
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = _rule(8, rules.positive_int)
-    device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")))
-    precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")))
+    epochs: int = _rule(8, rules.positive_int, resumable=True)
+    device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")), resumable=True)
+    precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")), resumable=True)
     gather_embeddings: bool = True
     fp16_allreduce: bool = False
     backward_passes_per_step: int = _rule(1, rules.positive_int)
-    eval_every: int = _rule(2, rules.positive_int)
-    checkpoint_every: int = _rule(50, rules.int_at_least(0))
-    resume: bool = True
-    threads: int = _rule(1, rules.positive_int)
-    max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)))
-    gallery_queries: int = _rule(8, rules.positive_int)
-    progress_every_seconds: float = _rule(30.0, rules.positive_finite)
-    tensorboard: bool | None = None  # None: on when the tensorboard package is installed
+    eval_every: int = _rule(2, rules.positive_int, resumable=True)
+    checkpoint_every: int = _rule(50, rules.int_at_least(0), resumable=True)
+    resume: bool = _rule(True, None, resumable=True)
+    threads: int = _rule(1, rules.positive_int, resumable=True, local=True)
+    max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)), resumable=True)
+    gallery_queries: int = _rule(8, rules.positive_int, resumable=True)
+    progress_every_seconds: float = _rule(30.0, rules.positive_finite, resumable=True)
+    tensorboard: bool | None = _rule(None, None, resumable=True)  # None: on when the tensorboard package is installed
 
 
 @dataclass(frozen=True)
 class DistributedConfig:
-    backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")))
+    backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")), resumable=True)
 
 
 @dataclass(frozen=True)
 class RunConfig:
     seed: int = _rule(0, rules.seed)
-    workspace: str = "workspace/demo"
+    workspace: str = _rule("workspace/demo", None, resumable=True)
     data: DataConfig = field(default_factory=DataConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -182,6 +210,10 @@ def _registry(kind: str) -> tuple[str, ...]:
         from .model import NORMS
 
         return tuple(NORMS)
+    if kind == "backbone":
+        from .model import BACKBONES
+
+        return tuple(BACKBONES)
     if kind in ("pooling", "neck"):
         from .model import NECKS, POOLINGS
 
@@ -225,11 +257,25 @@ def _validate_combinations(config: RunConfig) -> None:
                 "sampler.classes_per_step (G) and sampler.samples_per_class (K), or sampler.triplets_per_step, "
                 "and each rank takes G / world_size classes"
             )
-    if loss.memory is not None:
-        unknown = sorted(set(loss.memory) - {"size", "size_items", "warmup_steps"})
-        if unknown:
-            raise ConfigError(f"loss.memory.{unknown[0]}: unknown key (known: ['size', 'size_items', 'warmup_steps'])")
-        for key in ("size", "size_items"):
-            if key in loss.memory:
-                rules.positive_int(f"loss.memory.{key}", loss.memory[key])
-        rules.int_at_least(0)("loss.memory.warmup_steps", loss.memory.get("warmup_steps", 0))
+
+
+def _flagged(config: Any, flag: str, prefix: str = "") -> frozenset[str]:
+    keys: set[str] = set()
+    for spec in dataclasses.fields(config):
+        path = f"{prefix}.{spec.name}" if prefix else spec.name
+        value = getattr(config, spec.name)
+        if dataclasses.is_dataclass(value):
+            keys |= _flagged(value, flag, path)
+        elif spec.metadata.get(flag, False):
+            keys.add(path)
+    return frozenset(keys)
+
+
+def resumable_keys() -> frozenset[str]:
+    """Dotted keys a resumed run may change (fields marked ``resumable``)."""
+    return _flagged(RunConfig(), "resumable")
+
+
+def local_keys() -> frozenset[str]:
+    """Dotted keys ranks may disagree on (fields marked ``local``); all others must agree."""
+    return _flagged(RunConfig(), "local")

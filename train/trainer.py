@@ -4,8 +4,13 @@
 embeddings so the loss sees the global batch, backward, the optimizer step
 through the backend's allreduce) and calls its hooks around it; checkpoints,
 the metrics log, progress, evaluation and hard-negative refresh are hooks
-(:mod:`.hooks`). :func:`train` assembles a run from a config, once, through
-the builders (:mod:`.builders`) and :mod:`.run_setup`.
+(:mod:`.hooks`), which import :class:`HookBase` from here. The loop and the
+hooks put their scalars in one :class:`~.events.EventStorage`. The trainer
+owns its state (:meth:`Trainer.state_dict`); checkpoints save what it gives.
+
+This module knows no config: :func:`pksampler.train.run_setup.train` (the
+application layer) assembles a run from a config, once, through the
+builders, and imports this loop, never the other way round.
 """
 
 from __future__ import annotations
@@ -13,16 +18,43 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .checkpoint import to_numpy
 from .distributed import Backend
-from .hooks import HookBase
+from .events import EventStorage
 
-__all__ = ["StepParts", "TrainResult", "TrainState", "Trainer", "TrainingDiverged", "gather_batch", "main", "train"]
+__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "gather_batch"]
+
+
+class HookBase:
+    """A no-op at every point of the loop; subclasses override what they need.
+
+    The loop calls ``before_train``, ``before_epoch``, ``after_step``,
+    ``after_epoch`` and ``after_train`` on its hooks in the order they were
+    registered (detectron2's ``HookBase`` shape); ``self.trainer`` is set on
+    registration.
+    """
+
+    trainer: "Trainer"
+
+    def before_train(self) -> None:
+        pass
+
+    def before_epoch(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def after_epoch(self) -> None:
+        pass
+
+    def after_train(self) -> None:
+        pass
 
 
 class TrainingDiverged(RuntimeError):
@@ -31,7 +63,11 @@ class TrainingDiverged(RuntimeError):
 
 @dataclass
 class TrainState:
-    """Where the run is: read and written by the loop and its hooks, saved in checkpoints."""
+    """Where the run is: read and written by the loop and its hooks, saved in checkpoints.
+
+    The per-step history is not here: it lives in the run's
+    :class:`~.events.EventStorage` (and ``metrics.jsonl``).
+    """
 
     epoch: int = 0  # epochs finished
     global_step: int = 0  # optimizer steps taken
@@ -40,23 +76,23 @@ class TrainState:
     loss: float = math.nan
     lr: float = 0.0
     images_per_sec: float = 0.0
-    history: dict[str, list] = field(default_factory=lambda: {"loss_steps": [], "losses": [], "eval_epochs": [],
-                                                              "recalls": [], "map_at_r": []})
     final_metrics: dict[str, float] = field(default_factory=dict)
     stop: bool = False
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint (``stop`` is a request to the running loop, not state)."""
+        return {k: v for k, v in asdict(self).items() if k != "stop"}
 
-@dataclass
-class TrainResult:
-    global_step: int
-    epochs_done: int
-    final_metrics: dict[str, float]
-    workspace: Path
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> "TrainState":
+        """The inverse of :meth:`to_dict`; keys of older checkpoints (a loss history) are ignored."""
+        known = {f.name for f in fields(cls)} - {"stop"}
+        return cls(**{k: v for k, v in saved.items() if k in known})
 
 
 @dataclass
 class StepParts:
-    """What one optimizer step needs, built once by :func:`train`."""
+    """What one optimizer step needs, built once by the application layer (or a test, from stub parts)."""
 
     backend: Backend
     model: torch.nn.Module  # the bare model (state dicts, evaluation)
@@ -88,10 +124,12 @@ def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tenso
 class Trainer:
     """Runs epochs of steps and calls hooks; everything else is a hook."""
 
-    def __init__(self, parts: StepParts, hooks: Sequence[HookBase], state: TrainState | None = None) -> None:
+    def __init__(self, parts: StepParts, hooks: Sequence[HookBase], state: TrainState | None = None, *,
+                 storage: EventStorage | None = None) -> None:
         self.parts = parts
         self.state = state if state is not None else TrainState()
-        self.resume_sampler_state: dict[str, Any] | None = None
+        self.storage = storage if storage is not None else EventStorage()
+        self._iteration_done = 0  # batches finished since the sampler's iterator was created (or loaded)
         self._last_loss = torch.zeros(())
         self.hooks: list[HookBase] = []
         self.register(hooks)
@@ -128,33 +166,68 @@ class Trainer:
     def _run_epoch(self) -> bool:
         """Steps until the epoch ends (True) or a hook asks to stop (False)."""
         parts, state = self.parts, self.state
+        # A sampler loaded mid-epoch keeps its position for the same epoch; another epoch starts afresh.
         parts.sampler.set_epoch(state.epoch)
         parts.train_set.set_epoch(state.epoch)
-        if self.resume_sampler_state is not None and self.resume_sampler_state["epoch"] == state.epoch:
-            parts.sampler.load_state_dict(self.resume_sampler_state)  # continue mid-epoch
-        self.resume_sampler_state = None
-        loader = torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
-                                             pin_memory=parts.backend.setup.pin_memory)
-        batches, started, done = parts.sampler.num_batches, time.perf_counter(), 0
+        loader = self.make_loader()
+        self._iteration_done = 0
+        batches, started = parts.sampler.num_batches, time.perf_counter()
         for images, labels in loader:
             last_of_window = (state.consumed + 1) % parts.passes == 0 or state.consumed + 1 == batches
             self.forward_backward(images, labels, reduce=last_of_window)
             state.consumed += 1
-            done += 1
+            self._iteration_done += 1
             if not last_of_window:
                 continue
             self.optimizer_step()
-            state.images_per_sec = done * parts.global_batch / max(time.perf_counter() - started, 1e-9)
+            state.images_per_sec = self._iteration_done * parts.global_batch / max(time.perf_counter() - started, 1e-9)
+            self.storage.put_step(epoch=state.epoch, step=state.consumed, global_step=state.global_step,
+                                  loss=state.loss, lr=state.lr, images_per_sec=state.images_per_sec,
+                                  global_batch=parts.global_batch, time=time.time())
             self._call("after_step")
             if state.stop:
                 return False
         return True
 
-    def sampler_position(self) -> dict[str, Any]:
-        """The sampler's resumable position: the next global step of this epoch, or the next epoch's start."""
-        position = self.parts.sampler.state_dict(batches_consumed=0)
-        position.update(epoch=self.state.epoch, step=self.state.consumed)
-        return position
+    def make_loader(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches: a DataLoader over the training set driven by the batch sampler."""
+        parts = self.parts
+        return torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
+                                           pin_memory=parts.backend.setup.pin_memory)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a run needs to continue: model, optimizer, schedule, scaler, loss, loop and sampler state.
+
+        Cheap: the tensors are the live ones (no copies), so a caller that
+        keeps a snapshot while training goes on copies it (``torch.save``
+        does). The sampler's part is its own ``state_dict`` at the loop's
+        position, in global steps, so :meth:`load_state_dict` works at
+        another world size.
+        """
+        parts = self.parts
+        return {
+            "model": parts.model.state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scheduler": parts.scheduler.state_dict(),
+            "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+            "loss": parts.loss_fn.state_dict(),
+            "state": self.state.to_dict(),
+            "sampler": parts.sampler.state_dict(batches_consumed=self._iteration_done),
+            "world_size": parts.backend.size,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (maybe of another world size); the next ``train()`` resumes there."""
+        parts = self.parts
+        parts.model.load_state_dict(saved["model"])
+        parts.optimizer.load_state_dict(saved["optimizer"])
+        parts.scheduler.load_state_dict(saved["scheduler"])
+        parts.loss_fn.load_state_dict(saved["loss"])
+        if parts.scaler is not None and saved.get("scaler"):
+            parts.scaler.load_state_dict(saved["scaler"])
+        self.state = TrainState.from_dict(saved["state"])
+        parts.sampler.load_state_dict(to_numpy(saved["sampler"]))
+        self._iteration_done = 0
 
     def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, *, reduce: bool) -> None:
         """Loss on the (gathered) global batch and its backward pass; gradients reduced when ``reduce``."""
@@ -194,38 +267,9 @@ class Trainer:
         loss = self._last_loss if parts.gather or backend.size == 1 else backend.allreduce_mean(self._last_loss.reshape(1))[0]
         state.loss = float(loss)
         state.lr = float(parts.scheduler.get_last_lr()[0])
-        state.history["loss_steps"].append(state.global_step)
-        state.history["losses"].append(state.loss)
         if not math.isfinite(state.loss):
             raise TrainingDiverged(
                 f"the loss is {state.loss} at global step {state.global_step} (epoch {state.epoch + 1}); training "
                 "stopped. The last good checkpoint is kept: lower optim.lr, raise optim.warmup_steps or check "
                 "the data, then resume or start afresh"
             )
-
-
-def train(config, backend: Backend, extra_hooks: Iterable[HookBase] = ()) -> TrainResult:
-    """Run training as ``config`` says on ``backend``; ``extra_hooks`` run after the standard ones."""
-    from .run_setup import assemble
-
-    run = assemble(config, backend, extra_hooks)
-    try:
-        state = run.trainer.train()
-    finally:
-        run.close()
-    return TrainResult(state.global_step, state.epoch, state.final_metrics, run.workspace)
-
-
-def main(config, extra_hooks: Iterable[HookBase] = ()) -> TrainResult:
-    """Initialise the backend chosen by the config and train."""
-    from .distributed import make_backend
-
-    backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision)
-    try:
-        result = train(config, backend, extra_hooks)
-        # Leave together: a rank that exits while another still uses the group
-        # (rank 0 writing the last checkpoint) would abort it.
-        backend.barrier()
-    finally:
-        backend.shutdown()
-    return result

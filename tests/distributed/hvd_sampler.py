@@ -17,6 +17,7 @@ import horovod.torch as hvd
 import numpy as np
 import torch
 
+from pksampler.comm import broadcast_object
 from pksampler.samplers import (
     DistributedBalancedBatchSampler,
     DistributedTripletBatchSampler,
@@ -26,6 +27,7 @@ from pksampler.samplers import (
     group_labels,
     world_info,
 )
+from pksampler.train.mining import mine_class_neighbours
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared invariant checkers
 from sampler_invariants import (  # noqa: E402
@@ -47,7 +49,8 @@ def check_triplets_on_real_ranks(labels: np.ndarray, rank: int) -> None:
     centres = np.random.default_rng(0).normal(size=(97, 8))
     noise = np.random.default_rng(100 + rank).normal(size=(labels.size, 8))
     embeddings = centres[labels] if rank == 0 else noise
-    table = sampler.update_class_neighbours(embeddings, labels)
+    table = mine_class_neighbours(embeddings, labels, sampler.index, sampler.hard_classes) if rank == 0 else None
+    table = sampler.set_class_neighbours(broadcast_object(table, 0, name="pksampler.class_neighbours"))
     tables = hvd.allgather(torch.from_numpy(table)[None]).numpy()
     assert (tables == tables[0]).all(), "ranks hold different neighbour tables"
     sampler.set_epoch(1)

@@ -224,13 +224,14 @@ def test_resume_on_another_world_size_continues_the_global_plan(cfg, data):
     check_world_invariance(after, np.concatenate(remaining, axis=1))
 
 
-def test_resume_rejects_a_world_size_that_does_not_divide_the_step():
+def test_resume_rejects_another_step_size_or_other_labels():
     labels = np.arange(300) % 30
     state = DistributedBalancedBatchSampler(labels, 3, 2, num_replicas=2, rank=0).state_dict()
-    with pytest.raises(ValueError, match="num_replicas=4 does not divide"):
+    with pytest.raises(ValueError, match="used 6 classes per global step but this sampler has 4; construct it with "
+                                         "classes_per_step=6"):
         DistributedBalancedBatchSampler(labels, 1, 2, num_replicas=4, rank=0).load_state_dict(state)
-    with pytest.raises(ValueError, match="classes_per_batch=2"):
-        DistributedBalancedBatchSampler(labels, 1, 2, num_replicas=3, rank=0).load_state_dict(state)
+    DistributedBalancedBatchSampler(labels, samples_per_class=2, classes_per_step=6, num_replicas=4,
+                                    rank=0).load_state_dict(state)  # W = 4 does not divide G = 6: fine
     with pytest.raises(ValueError, match="labels_fingerprint"):
         DistributedBalancedBatchSampler(np.arange(300) % 31, 3, 2, num_replicas=2, rank=0).load_state_dict(state)
 

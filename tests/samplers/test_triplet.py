@@ -17,6 +17,7 @@ from pksampler.samplers import (
     check_consistent,
     SamplerMismatchError,
 )
+from pksampler.train.mining import mine_class_neighbours
 
 
 @st.composite
@@ -89,6 +90,11 @@ def test_deterministic_across_processes_and_epochs():
     assert list(sampler) != stream
 
 
+def mine_into(sampler, embeddings, labels) -> np.ndarray:
+    """Mine a neighbour table train-side and give it to the sampler (what the trainer's hook does)."""
+    return sampler.set_class_neighbours(mine_class_neighbours(embeddings, labels, sampler.index, sampler.hard_classes))
+
+
 def planted_embeddings(num_classes: int = 12, per_class: int = 20, seed: int = 0):
     """Class 1's centroid lies right next to class 0's; the others are spread out."""
     rng = np.random.default_rng(seed)
@@ -102,7 +108,7 @@ def test_hard_negatives_come_from_the_nearest_class_at_the_requested_fraction():
     embeddings, labels = planted_embeddings()
     sampler = DistributedTripletBatchSampler(labels, 8, num_replicas=2, rank=0, seed=1, negatives="hard",
                                              hard_classes=1, hard_fraction=0.6)
-    table = sampler.update_class_neighbours(embeddings, labels)
+    table = mine_into(sampler, embeddings, labels)
     assert table[0, 0] == 1 and table[1, 0] == 0
     before = np.array(list(sampler)).reshape(-1, 3)  # epoch 0: table not in force yet
     sampler.set_epoch(1)
@@ -125,7 +131,7 @@ def test_neighbour_table_is_part_of_the_consistency_fingerprint_and_state():
     embeddings, labels = planted_embeddings()
     a = DistributedTripletBatchSampler(labels, 4, num_replicas=2, rank=0, negatives="hard")
     b = DistributedTripletBatchSampler(labels, 4, num_replicas=2, rank=1, negatives="hard")
-    a.update_class_neighbours(embeddings, labels)
+    mine_into(a, embeddings, labels)
     a.set_epoch(1)
     b.set_epoch(1)
     from pksampler.samplers import sampler_fingerprint
@@ -159,13 +165,13 @@ def test_bad_neighbour_updates():
     embeddings, labels = planted_embeddings()
     sampler = DistributedTripletSampler(labels, 2, num_replicas=1, rank=0, negatives="hard")
     with pytest.raises(ValueError, match=r"labels the sampler does not know, e.g. \[99"):
-        sampler.update_class_neighbours(embeddings, np.where(labels == 0, 99, labels))
+        mine_into(sampler, embeddings, np.where(labels == 0, 99, labels))
     bad = embeddings.copy()
     bad[5, 3] = np.nan
     with pytest.raises(ValueError, match=r"contains NaN or Inf \(first in row 5\)"):
-        sampler.update_class_neighbours(bad, labels)
+        mine_into(sampler, bad, labels)
     with pytest.raises(ValueError, match=r"labels=\) must have shape \(240,\)"):
-        sampler.update_class_neighbours(embeddings, labels[:10])
+        mine_into(sampler, embeddings, labels[:10])
 
 
 # --- neighbour tables ------------------------------------------------------------
@@ -198,7 +204,7 @@ def _tampered(table: np.ndarray) -> list:
 def test_neighbour_tables_are_validated_on_set_and_on_load():
     embeddings, labels = planted_embeddings()
     sampler = DistributedTripletBatchSampler(labels, 4, num_replicas=1, rank=0, negatives="hard", hard_classes=2)
-    table = sampler.update_class_neighbours(embeddings, labels)
+    table = mine_into(sampler, embeddings, labels)
     for bad, error, match in _tampered(table):
         with pytest.raises(error, match=match):
             sampler.set_class_neighbours(bad)

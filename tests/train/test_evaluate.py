@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pksampler.train.evaluate import evaluate_retrieval, knn_search, retrieval_metrics
+from pksampler.train.metrics import evaluate_retrieval, knn_search, retrieval_metrics
 from pksampler.train.metrics import _normalise
 
 

@@ -123,5 +123,5 @@ def test_batch_neck_takes_the_sync_class_and_torchvision_refuses_other_poolings(
     config = dataclasses.replace(ModelConfig(), width=8, depth=(1,), neck="batch")
     assert type(build_model(config, sync_batch_norm=FakeSync).neck) is FakeSync
     assert type(build_model(config).neck) is torch.nn.BatchNorm1d
-    with pytest.raises(ValueError, match="model.pooling='gem' applies to backbone 'resnet' only"):
+    with pytest.raises(ValueError, match="model.pooling='gem' applies to our own backbones only"):
         build_model(dataclasses.replace(config, backbone="torchvision:resnet18", pooling="gem"))

@@ -18,7 +18,8 @@ from pksampler.train.checkpoint import CheckpointError, load_checkpoint
 from pksampler.train.config import ConfigError, load_config
 from pksampler.train.distributed import Backend
 from pksampler.train.hooks import HookBase
-from pksampler.train.trainer import TrainingDiverged, train
+from pksampler.train.run_setup import train
+from pksampler.train.trainer import TrainingDiverged
 from pksampler.train.workspace import WorkspaceLock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,25 +65,27 @@ def test_a_full_run_evaluates_and_writes_its_artifacts(tmp_path):
     assert len(events.Images("eval/gallery")) == 2
 
 
-def test_default_config_gives_identical_global_batches_at_every_power_of_two_world_size():
+def test_default_config_gives_identical_global_batches_at_every_world_size():
     config = load_config(ROOT / "configs" / "demo.yaml", environ={})
     labels = build_data(config).train.labels
     reference = None
-    for world in (1, 2, 4, 8, 16):
+    for world in (1, 2, 3, 5, 16):
         per_rank = [np.asarray(list(build_sampler(config.sampler, labels, world, rank, config.seed)))
                     for rank in range(world)]
-        global_steps = np.concatenate(per_rank, axis=1)  # rank r holds chunks [r*P, (r+1)*P) of each step
+        global_steps = np.concatenate(per_rank, axis=1)  # rank r holds a contiguous run of each step's chunks
         assert global_steps.shape[1] == config.sampler.classes_per_step * config.sampler.samples_per_class
         if reference is None:
             reference = global_steps
         np.testing.assert_array_equal(global_steps, reference)
 
 
-def test_a_world_size_that_does_not_divide_the_step_is_named_with_the_sizes_that_work():
+def test_more_ranks_than_classes_per_step_are_refused_naming_the_key_and_the_world_size():
     config = load_config(ROOT / "configs" / "demo.yaml", environ={})
-    with pytest.raises(ConfigError, match=r"sampler.classes_per_step=16 cannot be split over 3 ranks: the world "
-                                          r"size must divide it \(world sizes that work: 1, 2, 4, 8, 16\)"):
-        build_sampler(config.sampler, np.repeat(np.arange(40), 4), 3, 0, 0)
+    with pytest.raises(ConfigError, match=r"sampler.classes_per_step=16 cannot be split over 17 ranks: every rank "
+                                          r"needs at least one per step, so the world size must be at most 16"):
+        build_sampler(config.sampler, np.repeat(np.arange(40), 4), 17, 0, 0)
+    assert [build_sampler(config.sampler, np.repeat(np.arange(40), 4), 3, rank, 0).batch_size
+            for rank in range(3)] == [24, 20, 20]
 
 
 class _Boom:
@@ -220,3 +223,60 @@ def test_a_step_larger_than_the_training_classes_names_the_key(tmp_path):
     with pytest.raises(ConfigError, match=r"sampler.classes_per_step=32 needs that many distinct classes in every "
                                           r"step, but the training split has 17"):
         train(tiny(tmp_path, "sampler.classes_per_step=32"), Backend())
+
+
+class _TinyNet(torch.nn.Module):
+    """A model the trainer does not know: any module mapping images to embeddings will do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, stride=2), torch.nn.ReLU(),
+                                            torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
+        self.head = torch.nn.Linear(6, 12)
+
+    def forward(self, images):
+        return torch.nn.functional.normalize(self.head(self.features(images)), dim=1)
+
+
+def test_train_takes_a_custom_model_instead_of_the_configured_one(tmp_path):
+    torch.manual_seed(0)
+    model = _TinyNet()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = train(tiny(tmp_path, "train.max_steps=3"), Backend(), model=model)
+    assert result.global_step == 3
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["model"]
+    assert sorted(saved) == sorted(before)  # the custom module's parameters, not the configured backbone's
+    assert any(not torch.equal(saved[k], before[k]) for k in before)  # and they were trained
+    with pytest.raises(TypeError, match=r"train\(model=\) expects a torch.nn.Module mapping images to embeddings, "
+                                        r"got function"):
+        train(tiny(tmp_path, name="other"), Backend(), model=lambda images: images)
+
+
+def test_a_crash_in_evaluation_keeps_the_epoch_and_the_resumed_curves_show_the_whole_run(tmp_path, monkeypatch):
+    from pksampler.train import heldout
+
+    real = heldout.HeldOutEvaluator.__call__
+
+    def crash_in_epoch_two(self, epoch, global_step=0):
+        if epoch == 2:
+            raise RuntimeError("evaluation crashed")
+        return real(self, epoch, global_step)
+
+    monkeypatch.setattr(heldout.HeldOutEvaluator, "__call__", crash_in_epoch_two)
+    with pytest.raises(RuntimeError, match="evaluation crashed"):
+        train(tiny(tmp_path, "train.epochs=3", "train.checkpoint_every=0"), Backend())
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")
+    assert saved["state"]["epoch"] == 2 and saved["state"]["consumed"] == 0  # written before the evaluation
+    assert "history" not in saved["state"]
+    steps_per_epoch = saved["state"]["global_step"] // 2
+    monkeypatch.setattr(heldout.HeldOutEvaluator, "__call__", real)
+
+    class SeesTheWholeRun(HookBase):
+        def after_train(self):
+            self.steps = self.trainer.storage.series("loss")[0].tolist()
+            self.evaluated = [r["epoch"] for r in self.trainer.storage.records("eval")]
+
+    seen = SeesTheWholeRun()
+    result = train(tiny(tmp_path, "train.epochs=3", "train.checkpoint_every=0"), Backend(), extra_hooks=[seen])
+    assert result.global_step == 3 * steps_per_epoch  # only the third epoch was trained again
+    assert seen.steps == list(range(1, 3 * steps_per_epoch + 1)) and seen.evaluated == [1, 3]

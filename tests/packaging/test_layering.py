@@ -1,0 +1,157 @@
+"""Imports run one way: library <- loop <- application, with no cycle between modules.
+
+The source folders are read as text and walked as ASTs (nothing is
+imported), every ``import`` counted: module level and function-local ones,
+relative ones resolved against the module's package. Only imports under
+``if TYPE_CHECKING:`` are left out, because they never execute (they name
+types for annotations).
+
+Layers:
+
+* library: ``pksampler`` (core), ``pksampler.samplers``, ``pksampler.datasets``;
+  never imports ``pksampler.train``;
+* loop: ``train/trainer.py`` (with ``HookBase``), ``train/hooks.py``,
+  ``train/events.py``; never imports the application layer;
+* application: ``train/run_setup.py`` (``train``/``main``), the builders, the
+  config modules, the script and the package's ``__init__``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+from launch import ROOT
+
+#: package name -> source folder (pyproject.toml's package-dir)
+PACKAGES = {
+    "pksampler": ROOT / "pksampler",
+    "pksampler.samplers": ROOT / "samplers",
+    "pksampler.datasets": ROOT / "datasets",
+    "pksampler.train": ROOT / "train",
+}
+LIBRARY = ("pksampler.samplers", "pksampler.datasets")
+LOOP = {"pksampler.train.trainer", "pksampler.train.hooks", "pksampler.train.events"}
+APPLICATION = {
+    "pksampler.train", "pksampler.train.run_setup", "pksampler.train.builders", "pksampler.train.schema",
+    "pksampler.train.config", "pksampler.train.overrides", "pksampler.train.agreement",
+    "pksampler.train.retrieval",
+}
+
+
+def modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package ``__init__``), for every source file of the packages."""
+    found = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.glob("*.py")):
+            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
+            found[name] = (path, path.stem == "__init__")
+    return found
+
+
+def _type_checking_only(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports_of(name: str, path: Path, is_package: bool, known: set[str]) -> set[str]:
+    """The internal modules that ``name`` imports (a ``from p import m`` of a submodule counts as ``p.m``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    package = name if is_package else name.rpartition(".")[0]
+    targets: set[str] = set()
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)) or _type_checking_only(node, parents):
+            continue
+        if isinstance(node, ast.Import):
+            targets.update(alias.name for alias in node.names)
+            continue
+        base = node.module or ""
+        if node.level:
+            anchor = package.split(".")
+            anchor = anchor[: len(anchor) - (node.level - 1)]
+            base = ".".join(anchor + ([node.module] if node.module else []))
+        for alias in node.names:
+            submodule = f"{base}.{alias.name}"
+            targets.add(submodule if submodule in known else base)
+    return {t for t in targets if t in known or t.startswith("pksampler.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    found = modules()
+    known = set(found)
+    return {name: imports_of(name, path, is_package, known) - {name} for name, (path, is_package) in found.items()}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of modules (first repeated at the end), or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return stack[stack.index(target):] + [target]
+            if target not in state:
+                cycle = visit(target)
+                if cycle:
+                    return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            cycle = visit(node)
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_walk_sees_every_package_and_local_and_relative_imports():
+    graph = import_graph()
+    assert {"pksampler", "pksampler.samplers.triplet", "pksampler.datasets.folder", "pksampler.train.trainer"} <= set(graph)
+    assert "pksampler.train.trainer" in graph["pksampler.train.hooks"]  # relative, module level
+    assert "pksampler.train.run_setup" in graph["pksampler.train"]  # function-local, in the package __init__
+    assert "pksampler.train.run_setup" in graph["pksampler.train.retrieval"]  # absolute, function-local
+
+
+def test_the_library_never_imports_the_trainer():
+    core = {name for name, (path, _) in modules().items() if path.parent == PACKAGES["pksampler"]}
+    offenders = {name: sorted(t for t in targets if t == "pksampler.train" or t.startswith("pksampler.train."))
+                 for name, targets in import_graph().items() if name in core or name.startswith(LIBRARY)}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_the_loop_never_imports_the_application_layer():
+    graph = import_graph()
+    offenders = {name: sorted(graph[name] & APPLICATION) for name in LOOP}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
+def test_no_import_cycle_between_modules():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()))
+
+
+@pytest.mark.parametrize(("graph", "expected"), [
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, None),
+    ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, ["a", "b", "c", "a"]),
+])
+def test_the_cycle_finder_finds_cycles(graph, expected):
+    assert find_cycle(graph) == expected
+
+
+def test_a_function_local_import_cycle_is_caught(tmp_path):
+    (tmp_path / "one.py").write_text("def f():\n    from .two import g\n")
+    (tmp_path / "two.py").write_text("from .one import f\nfrom typing import TYPE_CHECKING\n"
+                                     "if TYPE_CHECKING:\n    from . import three\n")
+    known = {"pkg.one", "pkg.two", "pkg.three"}
+    graph = {name: imports_of(name, tmp_path / f"{name.split('.')[1]}.py", False, known) for name in ("pkg.one", "pkg.two")}
+    assert graph == {"pkg.one": {"pkg.two"}, "pkg.two": {"pkg.one"}}
+    assert find_cycle(graph) == ["pkg.one", "pkg.two", "pkg.one"]
