@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from pksampler.train import trainer
+from pksampler.train import run_setup
 from pksampler.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def main() -> None:
     config = load_config(args.config, overrides, environ={})
     torch.set_num_threads(config.train.threads)
     start, cpu = time.perf_counter(), _cpu_seconds()
-    result = trainer.main(config)
+    result = run_setup.main(config)
     record = {"name": args.name, "data": str(args.data), "overrides": args.overrides,
               "wall_s": round(time.perf_counter() - start, 1), "cpu_s": round(_cpu_seconds() - cpu, 1),
               "steps": result.global_step,

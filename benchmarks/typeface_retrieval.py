@@ -51,7 +51,7 @@ from pksampler.samplers import DistributedBalancedBatchSampler  # noqa: E402
 from pksampler.train import builders  # noqa: E402
 from pksampler.train.config import RunConfig, load_config  # noqa: E402
 from pksampler.train.distributed import Backend  # noqa: E402
-from pksampler.train.evaluate import retrieval_metrics  # noqa: E402
+from pksampler.train.metrics import retrieval_metrics  # noqa: E402
 from pksampler.train.heldout import embed  # noqa: E402
 from pksampler.train.model import build_model  # noqa: E402
 
@@ -71,9 +71,10 @@ class FixedBatches:
     new pass (reseeded) rather than ending the epoch early.
     """
 
-    def __init__(self, sampler: Any, *, batch_size: int, num_batches: int, num_classes: int, seed: int,
-                 reseed: Any) -> None:
+    def __init__(self, sampler: Any, *, batch_size: int, global_batch_size: int, num_batches: int, num_classes: int,
+                 seed: int, reseed: Any) -> None:
         self.sampler, self.batch_size, self.num_batches = sampler, batch_size, num_batches
+        self.global_batch_size = global_batch_size
         self.index = SimpleNamespace(num_classes=num_classes)
         self.seed, self.epoch, self.skip, self._reseed = seed, 0, 0, reseed
 
@@ -106,9 +107,8 @@ class FixedBatches:
 
 
 def _pk_batches(sampler_config, labels: np.ndarray, world_size: int, rank: int, seed: int):
-    per_rank = builders.per_rank_share(sampler_config.classes_per_step, world_size, "sampler.classes_per_step")
-    return DistributedBalancedBatchSampler(labels, per_rank, sampler_config.samples_per_class, num_replicas=world_size,
-                                           rank=rank, seed=seed, **sampler_config.args)
+    """pksampler's P x K batch sampler, built as the trainer builds it."""
+    return builders.SAMPLERS["balanced"](sampler_config, labels, world_size, rank, seed)
 
 
 def random_batches(sampler_config, labels: np.ndarray, world_size: int, rank: int, seed: int) -> FixedBatches:
@@ -118,7 +118,8 @@ def random_batches(sampler_config, labels: np.ndarray, world_size: int, rank: in
     pk = _pk_batches(sampler_config, labels, world_size, rank, seed)
     sampler = DistributedSampler(range(labels.size), num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)
-    return FixedBatches(sampler, batch_size=pk.batch_size, num_batches=pk.num_batches,
+    return FixedBatches(sampler, batch_size=pk.batch_size, global_batch_size=pk.global_batch_size,
+                        num_batches=pk.num_batches,
                         num_classes=pk.index.num_classes, seed=seed,
                         reseed=lambda s, _seed, epoch, round_: s.set_epoch(epoch * 1000 + round_))
 
@@ -139,7 +140,8 @@ def mperclass_batches(sampler_config, labels: np.ndarray, world_size: int, rank:
         common_functions.NUMPY_RANDOM = np.random.RandomState(np.random.SeedSequence([seed_, epoch, round_])
                                                                 .generate_state(1)[0])
 
-    return FixedBatches(sampler, batch_size=pk.batch_size, num_batches=pk.num_batches,
+    return FixedBatches(sampler, batch_size=pk.batch_size, global_batch_size=pk.global_batch_size,
+                        num_batches=pk.num_batches,
                         num_classes=pk.index.num_classes, seed=seed, reseed=reseed)
 
 
