@@ -87,6 +87,31 @@ if [[ "${1:-}" == "--print-venv" ]]; then
     exit 0
 fi
 
+# --- CJK fonts (the typeface benchmark and its test) ---------------------------
+# Installed only when a font file is missing and this is root with apt-get;
+# otherwise nothing runs (the benchmark then prints the command itself).
+FONT_PACKAGES=(fonts-noto-cjk fonts-arphic-ukai fonts-arphic-uming fonts-wqy-zenhei fonts-wqy-microhei)
+FONT_FILES=(NotoSansCJK-Regular.ttc NotoSansCJK-Bold.ttc NotoSerifCJK-Regular.ttc NotoSerifCJK-Bold.ttc
+    ukai.ttc uming.ttc wqy-zenhei.ttc wqy-microhei.ttc)
+fonts_missing() {
+    local name
+    for name in "${FONT_FILES[@]}"; do
+        [[ -n "$(find /usr/share/fonts /usr/local/share/fonts -name "$name" -print -quit 2>/dev/null)" ]] || return 0
+    done
+    return 1
+}
+if fonts_missing; then
+    if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing the CJK fonts: ${FONT_PACKAGES[*]}"
+        { DEBIAN_FRONTEND=noninteractive apt-get update -qq \
+            && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${FONT_PACKAGES[@]}"; } \
+            >/dev/null || log "warning: installing the CJK fonts failed; the typeface benchmark's test will fail"
+    else
+        log "note: the CJK fonts of the typeface benchmark are missing; as root run:" \
+            "apt-get update && apt-get install -y --no-install-recommends ${FONT_PACKAGES[*]}"
+    fi
+fi
+
 # --- stamp --------------------------------------------------------------------
 PYFULL="$("$PYBIN" -c 'import sys; print(sys.version.split()[0])')"
 GPU_MODE="${PKSAMPLER_HOROVOD_GPU:-auto}"
