@@ -2,8 +2,9 @@
 
 A random transform draws from the ``numpy.random.Generator`` it is given; the
 datasets key that generator by ``(seed, epoch, sample index)``, so a sample
-gets the same augmentation on whichever rank or worker loads it (the trainer's
-world-size equivalence depends on this). Transforms are callables
+gets the same augmentation on whichever rank or worker loads it. The trainer
+itself runs only :class:`ToUint8` in its workers and augments on the device
+with the same keying (:mod:`pksampler.datasets.batch_augment`). Transforms are callables
 ``t(image, rng)``; any other callable (a torchvision transform, a lambda) is
 called with the image alone.
 """

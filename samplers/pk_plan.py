@@ -209,9 +209,9 @@ def _too_few_classes_message(
         else "non-empty classes"
     )
     return (
-        f"not enough classes: a global step needs num_replicas * classes_per_batch = {needed} distinct "
+        f"not enough classes: a global step needs classes_per_step = {needed} distinct "
         f"classes, but the labels have {found} eligible ({rule}) out of {index.num_classes}; "
-        "lower classes_per_batch, use fewer ranks, or use small_classes='repeat'"
+        "lower classes_per_step (or classes_per_batch), or use small_classes='repeat'"
     )
 
 

@@ -60,7 +60,7 @@ class _TripletPlan(StepPlanSampler):
         per_step = self.triplets_per_step
         if self.anchors.size < per_step:
             raise ValueError(
-                f"not enough anchors: a global step needs num_replicas * triplets_per_batch = {per_step} anchors "
+                f"not enough anchors: a global step needs triplets_per_step = {per_step} anchors "
                 f"(samples of classes with at least 2 samples), but the labels have {self.anchors.size}"
             )
         #: (first epoch it applies to, table) pairs, newest last

@@ -16,8 +16,11 @@ Horovod's tensor fusion is turned off (``HOROVOD_FUSION_THRESHOLD=0``, which
 Horovod reads at ``hvd.init``; a fused buffer sums tensors in the order they
 happened to become ready, so two runs differ in the last bits and the
 difference grows), its autotuner too (it would re-enable fusion), and torch
-uses deterministic kernels only. :func:`loader_generator` seeds the loader's
-workers from (seed, epoch, rank) instead of the process's global RNG.
+uses deterministic kernels only. The training loader's workers draw no random
+numbers (augmentation runs on the device, keyed by (seed, epoch, sample
+index)); a per-epoch DataLoader (a trainer built without a
+:class:`~.loader.TrainLoader`) seeds its workers with :func:`loader_generator`,
+keyed by (seed, epoch, rank), instead of the process's global RNG.
 """
 
 from __future__ import annotations
