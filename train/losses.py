@@ -346,10 +346,15 @@ def _spec(miner: Any) -> tuple[str, Mapping[str, Any]]:
 
 
 def _probe(name: str, function: Callable[..., torch.Tensor], arguments: Mapping[str, Any]) -> None:
-    """Call a built-in loss once on four 2-D embeddings, so a wrong-typed argument fails at set-up, named."""
-    embeddings = torch.nn.functional.normalize(torch.tensor([[1.0, 0.2], [0.9, 0.3], [0.1, 1.0], [0.2, 0.8]]), dim=1)
+    """Call a built-in loss once on six 2-D embeddings, so a wrong-typed argument fails at set-up, named.
+
+    Six rows are two (anchor, positive, negative) triplets as well as a batch
+    with two samples of each class, so both the pair and the triplet losses accept it.
+    """
+    embeddings = torch.nn.functional.normalize(torch.tensor(
+        [[1.0, 0.2], [0.9, 0.3], [0.1, 1.0], [0.2, 0.8], [0.3, 0.9], [0.8, 0.1]]), dim=1)
     try:
-        function(embeddings, torch.tensor([0, 0, 1, 1]), **arguments)
+        function(embeddings, torch.tensor([0, 0, 1, 1, 1, 0]), **arguments)
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"loss.args: {dict(arguments)!r} do not suit loss {name!r} ({type(error).__name__}: "
                          f"{error})") from None
