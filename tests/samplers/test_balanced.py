@@ -266,7 +266,7 @@ def test_string_labels_and_datasets_with_targets():
         ({"small_classes": "pad"}, ValueError, r"small_classes=\) must be one of \['repeat', 'drop'\], got 'pad'"),
         ({"class_weighting": float("nan")}, ValueError, r"class_weighting=\) must be finite"),
         ({"seed": -3}, ValueError, r"seed=\) must be >= 0"),
-        ({"classes_per_batch": 6}, ValueError, r"needs num_replicas \* classes_per_batch = 12 distinct classes, but the labels have 10 eligible"),
+        ({"classes_per_batch": 6}, ValueError, r"needs classes_per_step = 12 distinct classes, but the labels have 10 eligible"),
         ({"labels": np.zeros((4, 2))}, ValueError, r"labels=\) must be 1-D.*shape \(4, 2\)"),
         ({"labels": []}, ValueError, r"labels=\) is empty"),
         ({"labels": [0.5, 1.0]}, ValueError, r"float label 0.5 at index 0; float labels must be finite whole numbers"),

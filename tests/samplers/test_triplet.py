@@ -151,7 +151,7 @@ def test_neighbour_table_is_part_of_the_consistency_fingerprint_and_state():
         ({"labels": np.zeros(50, dtype=int)}, ValueError, r"needs at least 2 classes"),
         ({"negatives": "semi"}, ValueError, r"negatives=\) must be one of \['random', 'hard'\], got 'semi'"),
         ({"hard_fraction": 1.5}, ValueError, r"hard_fraction=\) must be in \[0.0, 1.0\], got 1.5"),
-        ({"triplets_per_batch": 40}, ValueError, r"needs num_replicas \* triplets_per_batch = 80 anchors"),
+        ({"triplets_per_batch": 40}, ValueError, r"needs triplets_per_step = 80 anchors"),
     ],
 )
 def test_bad_input(kwargs, error, match):
