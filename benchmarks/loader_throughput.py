@@ -208,13 +208,18 @@ def main() -> None:
     if args.simulate:
         simulate(args.simulate, args.per_class, args.image_bytes, args.world, P_RANKS)
         return
+    run_in_workdir(parser, args, run)
+
+
+
+def run_in_workdir(parser: argparse.ArgumentParser, args: argparse.Namespace, run) -> None:
+    """``run(args, work)`` in ``--workdir`` (default: a temporary folder), refusing one inside the repository."""
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
         repo = Path(__file__).resolve().parents[1]
         if repo in work.resolve().parents or work.resolve() == repo:
             parser.error(f"--workdir {work} is inside the repository; use a folder outside it")
         run(args, work)
-
 
 def run(args: argparse.Namespace, work: Path) -> None:
     from pksampler.datasets import ShardedDataset

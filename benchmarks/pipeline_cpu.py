@@ -38,16 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loader_throughput import generate  # noqa: E402
+from loader_throughput import generate, run_in_workdir  # noqa: E402
 
 TRAIN_SIZE, P, K = 224, 32, 4
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -161,12 +159,7 @@ def main() -> None:
     parser.add_argument("--ship-size", type=int, default=TRAIN_SIZE, help="side of the uint8 squares the workers ship")
     parser.add_argument("--workdir", type=Path, default=None, help="keep the data here (default: a temp dir)")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = args.workdir or Path(tmp)
-        repo = Path(__file__).resolve().parents[1]
-        if repo in work.resolve().parents or work.resolve() == repo:
-            parser.error(f"--workdir {work} is inside the repository; use a folder outside it")
-        run(args, work)
+    run_in_workdir(parser, args, run)
 
 
 def run(args: argparse.Namespace, work: Path) -> None:

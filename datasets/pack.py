@@ -57,7 +57,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from PIL import Image
 
-from pksampler.files import atomic_write_text, atomic_writer, remove_stale_temporaries
+from pksampler.files import atomic_write_text, atomic_writer, lock_exclusively, remove_stale_temporaries
 
 from ._image import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ImageLoadError, load_rgb, read_regular
 from .folder import ImageFolderDataset
@@ -234,19 +234,10 @@ class _PackLock:
         self.path, self.handle = path, None
 
     def __enter__(self) -> "_PackLock":
-        handle = open(self.path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            handle.close()
+        handle, holder = lock_exclusively(self.path, f"pid {os.getpid()}")
+        if handle is None:
             raise ValueError(f"pack: {self.path.parent.parent} is being written by another pack ({holder}); "
-                             "wait for it to finish or choose another OUT folder") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()}\n")
-        handle.flush()
+                             "wait for it to finish or choose another OUT folder")
         self.handle = handle
         return self
 

@@ -11,12 +11,13 @@ the ones a killed process left behind.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import IO, BinaryIO, Iterator
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "remove_stale_temporaries"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "lock_exclusively", "remove_stale_temporaries"]
 
 _SUFFIX = ".tmp"
 
@@ -76,3 +77,27 @@ def remove_stale_temporaries(folder: str | os.PathLike, name: str | None = None)
             candidate.unlink(missing_ok=True)
             removed.append(candidate)
     return removed
+
+
+def lock_exclusively(path: str | os.PathLike, holder: str, *,
+                     unknown: str = "another process") -> tuple[IO[str] | None, str]:
+    """Take a non-blocking ``flock`` on ``path`` and write ``holder`` into it.
+
+    Returns ``(handle, holder)`` when taken (keep the handle open while the
+    lock is held; the kernel releases it when the process dies), else
+    ``(None, what the file names as the current holder)`` so the caller can
+    raise its own error naming it.
+    """
+    handle = open(path, "a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        current = handle.read().strip() or unknown
+        handle.close()
+        return None, current
+    handle.seek(0)
+    handle.truncate()
+    handle.write(holder + "\n")
+    handle.flush()
+    return handle, holder

@@ -21,7 +21,7 @@ import socket
 from pathlib import Path
 from typing import Any, Iterator
 
-from pksampler.files import atomic_write_text, remove_stale_temporaries
+from pksampler.files import atomic_write_text, lock_exclusively, remove_stale_temporaries
 
 from .rules import ConfigError
 
@@ -48,21 +48,13 @@ class WorkspaceLock:
         self.handle = None
 
     def acquire(self) -> None:
-        handle = open(self.path, "a+", encoding="utf-8")
-        try:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "an unknown process"
-            handle.close()
+        handle, holder = lock_exclusively(self.path, f"pid {os.getpid()} on host {socket.gethostname()}",
+                                          unknown="an unknown process")
+        if handle is None:
             raise ConfigError(
                 f"workspace: {self.path.parent} is in use by another job ({holder}); wait for it to finish "
                 "or set WORKSPACE / --set workspace=... to another folder"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
-        handle.flush()
+            )
         self.handle = handle
 
     def release(self) -> None:
