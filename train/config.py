@@ -18,7 +18,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from .overrides import apply_environment, load_yaml, parse_override, set_path
+from .overrides import apply_environment, epochs_replace_steps, load_yaml, parse_override, set_path
 from . import schema
 from .rules import ConfigError
 from .schema import (
@@ -130,4 +130,5 @@ def load_config(
     apply_environment(tree, os.environ if environ is None else environ, overrides=pairs)
     for key, value in pairs:
         set_path(tree, key, value)
+    epochs_replace_steps(tree, os.environ if environ is None else environ, pairs)
     return build_config(tree)

@@ -145,6 +145,8 @@ class EmbeddingNet(nn.Module):
     Args:
         width: channels of the first stage.
         depth: residual blocks per stage; each stage after the first halves the resolution.
+        stem_stride: stride of the first convolution (2: the stages see half the
+            input resolution, at about a quarter of the compute).
         embedding_dim: size of the output embedding.
         norm: normalisation layer constructor (see :func:`norm_factory`).
         pooling: ``avg`` (global average), ``gem`` (generalised mean, learnt p)
@@ -156,10 +158,10 @@ class EmbeddingNet(nn.Module):
 
     def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
                  norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None) -> None:
+                 sync_batch_norm: type[nn.Module] | None = None, stem_stride: int = 1) -> None:
         super().__init__()
         norm = norm or norm_factory("group")
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), norm(width), nn.ReLU(inplace=True))
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, stem_stride, 1, bias=False), norm(width), nn.ReLU(inplace=True))
         stages, channels = [], width
         for index, blocks in enumerate(depth):
             out_channels = width * 2**index
@@ -243,7 +245,8 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
     elif name == DEMO:
         model = EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
                              norm_factory(config.norm, sync_batch_norm),
-                             pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm)
+                             pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm,
+                             stem_stride=config.stem_stride)
     elif name in RESNETS or name in VITS:
         if name in VITS and config.pooling == "gem":
             raise ConfigError(f"model.pooling: 'gem' needs non-negative features and a ViT's tokens are not; "

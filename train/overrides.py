@@ -65,6 +65,21 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def epochs_replace_steps(tree: dict, environ: Mapping[str, str], overrides: Sequence[tuple[str, Any]]) -> None:
+    """``EPOCHS`` or ``--set train.epochs=N`` over a file with ``train.steps``: the epochs asked for win.
+
+    The length of a run is given one way; the later source sets it, unless
+    ``--set`` also names ``train.steps``.
+    """
+    def names(key: str, value: Any, field: str) -> bool:
+        return key == f"train.{field}" or (key == "train" and isinstance(value, dict) and field in value)
+
+    epochs_given = bool(environ.get("EPOCHS")) or any(names(k, v, "epochs") for k, v in overrides)
+    if epochs_given and not any(names(k, v, "steps") for k, v in overrides):
+        if isinstance(tree.get("train"), dict):
+            tree["train"].pop("steps", None)
+
+
 def _number(environ: Mapping[str, str], key: str, kind: type) -> Any:
     try:
         return kind(environ[key])

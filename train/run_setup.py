@@ -60,7 +60,7 @@ from .plots import save_curves_png
 from .pretrained import load_pretrained
 from .progress import Progress
 from .rules import ConfigError
-from .schema import RunConfig
+from .schema import RunConfig, TrainConfig
 from .tensorboard import TensorBoardWriter, available as tensorboard_available
 from .elastic import elastic_launch, run_elastic
 from .trainer import StepParts, Trainer, TrainState
@@ -158,15 +158,24 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
     train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
                                           backward_passes_per_step=config.train.backward_passes_per_step)
     passes = config.train.backward_passes_per_step
-    total_steps = config.train.epochs * -(-sampler.num_batches // passes)
+    steps_per_epoch = -(-sampler.num_batches // passes)
+    epochs = run_epochs(config.train, steps_per_epoch)
+    total_steps = epochs * steps_per_epoch
     return StepParts(
         backend=backend, model=model, train_model=train_model, optimizer=optimizer,
         scheduler=build_schedule(optimizer, config.optim.warmup_steps, total_steps), loss_fn=loss_fn,
-        sampler=sampler, train_set=data.train, epochs=config.train.epochs, global_batch=global_batch,
+        sampler=sampler, train_set=data.train, epochs=epochs, global_batch=global_batch,
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
     )
+
+
+def run_epochs(train: TrainConfig, steps_per_epoch: int) -> int:
+    """Epochs of the run: ``train.epochs``, or ``train.steps`` rounded to whole epochs (at least one)."""
+    if train.steps is None:
+        return train.epochs
+    return max(1, round(train.steps / steps_per_epoch))
 
 
 def _load_resume_state(config: RunConfig, backend: Backend, elastic: bool) -> dict[str, Any] | None:
@@ -209,11 +218,11 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
                                  max_bad_fraction=config.data.max_bad_fraction, view=data.view)
     hooks: list[HookBase] = []
     if is_main:
-        hooks.append(ProgressHook(Progress(parts.sampler.num_batches, config.train.epochs,
+        hooks.append(ProgressHook(Progress(parts.sampler.num_batches, parts.epochs,
                                            every_seconds=config.train.progress_every_seconds)))
     if getattr(parts.sampler, "needs_class_neighbours", False):
         hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
-                                      parts.sampler, backend, epochs=config.train.epochs))
+                                      parts.sampler, backend, epochs=parts.epochs))
     if hasattr(data.train, "bad_image_counts"):
         hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, is_main=is_main))
     if callable(getattr(data.dataset, "verify", None)):  # shard sets: the full index digest, once per host
@@ -223,11 +232,11 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     hooks += [
         checkpoints,
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,
-                       every=config.train.eval_every, epochs=config.train.epochs, is_main=is_main,
+                       every=config.train.eval_every, epochs=parts.epochs, is_main=is_main,
                        gallery=lambda: evaluator.last_gallery),
     ]
     if is_main:
-        hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=config.train.epochs))
+        hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs))
         if not elastic_launch():  # under Horovod elastic, lines are written at commits (elastic.CommittedMetricsHook)
             hooks.append(MetricsLogHook(log))
         if _tensorboard_wanted(config.train.tensorboard):
@@ -397,8 +406,8 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
     print(f"[pksampler] backend={backend.name} world={backend.size} device={setup.device} precision={setup.precision} "
           f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
           f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
-          f"global={parts.global_batch} lr={lr:.4g} steps/epoch={parts.sampler.num_batches}"
+          f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
-    if state.epoch >= config.train.epochs:
+    if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "
               "pass --no-resume (or another WORKSPACE) to train again", flush=True)

@@ -101,7 +101,7 @@ class ModelConfig:
     """A backbone with an L2-normalised embedding head (``pksampler.train.model``).
 
     ``backbone``: ``resnet`` (the compact demo network; ``width`` and
-    ``depth`` apply to it alone), ``resnet18/34/50/101`` (torchvision's
+    ``depth`` and ``stem_stride`` apply to it alone), ``resnet18/34/50/101`` (torchvision's
     names), ``vit_small_patch16`` / ``vit_base_patch16`` (timm's names) or
     ``torchvision:<name>``. ``pretrained``: a ``.pth`` or ``.safetensors``
     file of backbone weights. ``freeze_norm``: the backbone's BatchNorm
@@ -112,6 +112,9 @@ class ModelConfig:
     backbone: str = _rule("resnet", rules.choice(lambda: _registry("backbone"), prefixes=("torchvision:",)))
     width: int = _rule(32, rules.positive_int)
     depth: tuple[int, ...] = _rule((1, 1, 1, 1), rules.positive_int_list)
+    # the demo network's first convolution: 1 keeps full resolution, 2 halves it (a quarter of the cost
+    # per pixel, so larger images for the same compute)
+    stem_stride: int = _rule(1, rules.int_between(1, 4))
     embedding_dim: int = _rule(64, rules.positive_int)
     norm: str = _rule("group", rules.choice(lambda: _registry("norm")))
     pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
@@ -153,6 +156,9 @@ class OptimConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     epochs: int = _rule(8, rules.positive_int, resumable=True)
+    # The run's length in global steps instead of epochs: epochs = round(steps / steps per epoch), at least
+    # one, so a file costs about the same on any dataset size. Setting train.epochs (--set, EPOCHS) clears it.
+    steps: int | None = _rule(None, rules.optional(rules.positive_int), resumable=True)
     device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")), resumable=True)
     precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")), resumable=True)
     gather_embeddings: bool = True

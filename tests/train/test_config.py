@@ -103,6 +103,21 @@ def test_environment_overrides_file_and_set_overrides_environment(tmp_path):
     assert config.train.epochs == 7
 
 
+def test_epochs_asked_for_replace_the_files_steps(tmp_path):
+    """A file gives the run's length in steps; EPOCHS or --set train.epochs=N asks for epochs instead."""
+    path = tmp_path / "steps.yaml"
+    path.write_text("train: {epochs: 12, steps: 900}\n")
+    assert load_config(path, environ={}).train.steps == 900
+    assert load_config(path, environ={"EPOCHS": "3"}).train.steps is None
+    by_set = load_config(path, ["train.epochs=4"], environ={}).train
+    assert (by_set.epochs, by_set.steps) == (4, None)
+    both = load_config(path, ["train.epochs=4", "train.steps=50"], environ={}).train
+    assert (both.epochs, both.steps) == (4, 50)
+    assert load_config(path, ["train.steps=null"], environ={}).train.steps is None
+    with pytest.raises(ConfigError, match=r"train.steps: must be an integer >= 1, got 0"):
+        load_config(path, ["train.steps=0"], environ={})
+
+
 @pytest.mark.parametrize("launcher", [
     {"HOROVOD_RANK": "3", "HOROVOD_SIZE": "8"},
     {"RANK": "0", "WORLD_SIZE": "8"},

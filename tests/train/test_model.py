@@ -34,6 +34,17 @@ def test_every_option_gives_unit_embeddings_and_gradients_reach_every_parameter(
     assert all(float(p.grad.abs().sum()) > 0 for name, p in model.named_parameters() if name.startswith(("head", "stem")))
 
 
+def test_stem_stride_halves_the_resolution_the_stages_see():
+    images = torch.randn(2, 3, 32, 32)
+    full, strided = _net(), _net(stem_stride=2)
+    assert full.stem(images).shape[-2:] == (32, 32) and strided.stem(images).shape[-2:] == (16, 16)
+    assert strided(images).shape == (2, 12)
+    config = load_config(None, ["model.stem_stride=2", "model.width=8", "model.depth=[1]"], environ={}).model
+    assert build_model(config).stem[0].stride == (2, 2)
+    with pytest.raises(ConfigError, match=r"model.stem_stride: must be an integer in \[1, 4\], got 0"):
+        load_config(None, ["model.stem_stride=0"], environ={})
+
+
 def test_avgmax_concatenates_two_poolings():
     assert _net(pooling="avgmax").head.in_features == 2 * _net().head.in_features
 

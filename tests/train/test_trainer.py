@@ -47,6 +47,19 @@ def test_train_runs_in_process_with_the_plain_backend(tmp_path):
     assert [r["global_step"] for r in steps] == [1, 2, 3] and all(math.isfinite(r["loss"]) for r in steps)
 
 
+def test_train_steps_sets_the_length_in_whole_epochs(tmp_path):
+    """train.steps = 2.4 epochs of global steps trains 2 whole epochs, and the schedule ends with them."""
+    config = tiny(tmp_path, "train.eval_every=5")
+    steps_per_epoch = len(build_sampler(config.sampler, build_data(config).train.labels, 1, 0, config.seed))
+    result = train(tiny(tmp_path, "train.eval_every=5", "train.epochs=9", f"train.steps={round(2.4 * steps_per_epoch)}"),
+                   Backend())
+    assert (result.epochs_done, result.global_step) == (2, 2 * steps_per_epoch)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["lr"] for r in lines if "loss" in r]
+    assert len(rates) == 2 * steps_per_epoch and rates[-1] < 0.05 * max(rates)  # the cosine ends with the run
+    assert train(tiny(tmp_path, "train.steps=1", name="short"), Backend()).epochs_done == 1  # at least one epoch
+
+
 def test_a_full_run_evaluates_and_writes_its_artifacts(tmp_path):
     result = train(tiny(tmp_path, "train.tensorboard=true"), Backend())
     workspace = tmp_path / "run"
