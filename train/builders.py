@@ -130,7 +130,7 @@ def build_data(config: RunConfig) -> DataParts:
         dataset,
         LabelledSubset(dataset, train_idx, transform=ToUint8(data.image_size)),
         LabelledSubset(dataset, test_idx, transform=ToUint8(eval_size(data.image_size))),
-        augment=BatchAugment(data.image_size, seed=config.seed),
+        augment=BatchAugment(data.image_size, seed=config.seed, **data.augment),
         view=CenterView(data.image_size),
     )
 

@@ -20,6 +20,7 @@ __all__ = [
     "choice",
     "closed_interval",
     "int_at_least",
+    "augment",
     "int_between",
     "non_empty_string",
     "non_negative_finite",
@@ -151,3 +152,29 @@ def memory(path: str, value: Any) -> None:
             rule(f"{path}.{key}", value[key])
     if ("size" in value) == ("size_items" in value):
         raise ConfigError(f"{path}: needs exactly one of size (batches) and size_items (rows), got {dict(value)!r}")
+
+
+#: ``data.augment`` keys: the strengths of :class:`pksampler.datasets.BatchAugment`
+AUGMENT_KEYS = ("scale", "ratio", "flip", "jitter", "rotation")
+
+
+def augment(path: str, value: Any) -> None:
+    """``{scale: [lo, hi], ratio: [lo, hi], flip: p, jitter: s, rotation: deg}``: known keys, values BatchAugment takes."""
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+    unknown = sorted(set(value) - set(AUGMENT_KEYS), key=str)
+    if unknown:
+        raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {list(AUGMENT_KEYS)})")
+    for key in ("scale", "ratio"):
+        pair = value.get(key, (0.5, 0.5))
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(_is_real(v) for v in pair):
+            raise ConfigError(f"{path}.{key}: expected two numbers [low, high], got {pair!r}")
+    for key in ("flip", "jitter", "rotation"):
+        if key in value and not _is_real(value[key]):
+            raise ConfigError(f"{path}.{key}: expected a number, got {value[key]!r}")
+    from pksampler.datasets import BatchAugment  # the ranges are BatchAugment's own rules
+
+    try:
+        BatchAugment(8, **value)
+    except ValueError as error:
+        raise ConfigError(f"{path}: {error}") from None

@@ -76,6 +76,9 @@ class DataConfig:
     workers: int = _rule(1, rules.int_at_least(0), resumable=True, local=True)
     split_seed: int = _rule(0, rules.seed)
     max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0), resumable=True)
+    # training augmentation strengths (BatchAugment): scale [0.6, 1], ratio [3/4, 4/3], flip 0.5, jitter 0.3,
+    # rotation 0 unless given; e.g. {flip: 0} for text and characters, whose mirror image is another glyph
+    augment: Mapping[str, Any] = _rule(dict, rules.augment)
 
 
 @dataclass(frozen=True)

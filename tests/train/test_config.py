@@ -68,6 +68,9 @@ def test_choice_lists_come_from_the_registries():
     ("sampler.args={classes_per_batch: 4}", r"sampler.args.classes_per_batch: set by the trainer; the batch is "
                                             r"configured globally"),
     ("loss.memory={size: 0}", r"loss.memory.size: must be an integer >= 1, got 0"),
+    ("data.augment={flip: 2}", r"data.augment: BatchAugment\(flip=\) must be in \[0, 1\], got 2"),
+    ("data.augment={crop: 0.5}", r"data.augment.crop: unknown key \(known: \['scale', 'ratio', 'flip'"),
+    ("data.augment={scale: 0.5}", r"data.augment.scale: expected two numbers \[low, high\], got 0.5"),
 ])
 def test_bad_values_are_refused_at_load_with_the_key_named(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -140,3 +143,11 @@ def test_a_workspace_inside_the_data_root_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"workspace: .*/data/run lies inside data.root .*/data; the data location "
                                           r"is read-only"):
         load_config(None, [f"data.root={tmp_path / 'data'}", f"workspace={tmp_path / 'data' / 'run'}"], environ={})
+
+
+def test_data_augment_sets_the_training_augmentation():
+    from pksampler.train.builders import build_data
+
+    config = load_config(None, ["data.augment={flip: 0, scale: [0.8, 1.0], rotation: 10}"], environ={})
+    augment = build_data(config).augment
+    assert (augment.flip, augment.scale, augment.rotation, augment.jitter) == (0.0, (0.8, 1.0), 10.0, 0.3)
