@@ -35,7 +35,7 @@ from torch import nn
 
 from pksampler import comm
 
-from .device import DeviceSetup, setup_device
+from .device import DeviceSetup, horovod_cpu_defaults, setup_device
 
 __all__ = ["Backend", "CollectiveTimeout", "HorovodBackend", "TorchBackend", "make_backend"]
 
@@ -127,6 +127,7 @@ class HorovodBackend(Backend):
     def __init__(self, device: str = "auto", precision: str = "auto") -> None:
         import horovod.torch as hvd
 
+        horovod_cpu_defaults(device)
         hvd.init()
         self.hvd = hvd
         super().__init__(device, precision)

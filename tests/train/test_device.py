@@ -103,3 +103,15 @@ def test_deterministic_is_true_or_false():
     assert load_config(None, ["train.deterministic=true"], environ={}).train.deterministic is True
     with pytest.raises(ConfigError, match=r"train.deterministic: expected true or false, got 'maybe'"):
         load_config(None, ["train.deterministic=maybe"], environ={})
+
+
+def test_cpu_runs_get_a_10_ms_horovod_cycle_unless_the_environment_sets_one():
+    from pksampler.train.device import horovod_cpu_defaults
+
+    for choice, cuda, expected in [("auto", False, "10"), ("cpu", True, "10"), ("auto", True, None), ("cuda", True, None)]:
+        environ: dict[str, str] = {}
+        horovod_cpu_defaults(choice, environ, cuda_available=cuda)
+        assert environ.get("HOROVOD_CYCLE_TIME") == expected, (choice, cuda)
+    environ = {"HOROVOD_CYCLE_TIME": "2"}
+    horovod_cpu_defaults("cpu", environ)
+    assert environ == {"HOROVOD_CYCLE_TIME": "2"}
