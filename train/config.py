@@ -127,8 +127,9 @@ def load_config(
     """Load a RunConfig from YAML, then environment variables, then ``--set`` overrides."""
     tree: dict = _read_yaml(Path(path)) if path is not None else {}
     pairs = [parse_override(text) for text in overrides]
-    apply_environment(tree, os.environ if environ is None else environ, overrides=pairs)
+    environ = os.environ if environ is None else environ
+    apply_environment(tree, environ, overrides=pairs)
     for key, value in pairs:
         set_path(tree, key, value)
-    epochs_replace_steps(tree, os.environ if environ is None else environ, pairs)
+    epochs_replace_steps(tree, environ, pairs)
     return build_config(tree)

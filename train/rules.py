@@ -16,11 +16,11 @@ from pksampler.samplers._validate import SEED_LIMIT
 __all__ = [
     "ConfigError",
     "Rule",
+    "augment",
     "boolean",
     "choice",
     "closed_interval",
     "int_at_least",
-    "augment",
     "int_between",
     "non_empty_string",
     "non_negative_finite",
@@ -165,13 +165,12 @@ def augment(path: str, value: Any) -> None:
     unknown = sorted(set(value) - set(AUGMENT_KEYS), key=str)
     if unknown:
         raise ConfigError(f"{path}.{unknown[0]}: unknown key (known: {list(AUGMENT_KEYS)})")
-    for key in ("scale", "ratio"):
-        pair = value.get(key, (0.5, 0.5))
-        if not isinstance(pair, (list, tuple)) or len(pair) != 2 or not all(_is_real(v) for v in pair):
-            raise ConfigError(f"{path}.{key}: expected two numbers [low, high], got {pair!r}")
-    for key in ("flip", "jitter", "rotation"):
-        if key in value and not _is_real(value[key]):
-            raise ConfigError(f"{path}.{key}: expected a number, got {value[key]!r}")
+    for key, given in value.items():
+        pair = key in ("scale", "ratio")
+        if pair and not (isinstance(given, (list, tuple)) and len(given) == 2 and all(map(_is_real, given))):
+            raise ConfigError(f"{path}.{key}: expected two numbers [low, high], got {given!r}")
+        if not pair and not _is_real(given):
+            raise ConfigError(f"{path}.{key}: expected a number, got {given!r}")
     from pksampler.datasets import BatchAugment  # the ranges are BatchAugment's own rules
 
     try:
