@@ -31,17 +31,17 @@ import torch
 from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
-from .agreement import check_ranks_agree, check_resume_compatible, raise_together
-from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
+from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible, raise_together
+from pksampler.train.builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
+from pksampler.train.engine.checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
                          load_checkpoint)
-from .datacheck import IndexDigestHook
-from .device import make_deterministic
-from .distributed import Backend, make_backend
-from .events import EventStorage
-from .finetune import FreezeBackboneHook
-from .heldout import HeldOutEvaluator, embed
-from .hooks import (
+from pksampler.train.engine.datacheck import IndexDigestHook
+from pksampler.train.runtime.device import make_deterministic
+from pksampler.train.runtime.distributed import Backend, make_backend
+from pksampler.train.engine.events import EventStorage
+from pksampler.train.solver.finetune import FreezeBackboneHook
+from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
+from pksampler.train.engine.hooks import (
     BadImageHook,
     CheckpointHook,
     EvaluationHook,
@@ -52,19 +52,19 @@ from .hooks import (
     ProgressHook,
     TensorBoardHook,
 )
-from .loader import TrainLoader
-from .losses import build_loss
-from .memory import build_memory
-from .model import build_model
-from .plots import save_curves_png
-from .pretrained import load_pretrained
-from .progress import Progress
-from .rules import ConfigError
-from .schema import RunConfig, TrainConfig
-from .tensorboard import TensorBoardWriter, available as tensorboard_available
-from .elastic import elastic_launch, run_elastic
-from .trainer import StepParts, Trainer, TrainState
-from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
+from pksampler.train.runtime.loader import TrainLoader
+from pksampler.train.losses.pair import build_loss
+from pksampler.train.losses.memory import build_memory
+from pksampler.train.modeling.model import build_model
+from pksampler.train.engine.plots import save_curves_png
+from pksampler.train.modeling.pretrained import load_pretrained
+from pksampler.train.engine.progress import Progress
+from pksampler.train.errors import ConfigError
+from pksampler.train.config.schema import RunConfig, TrainConfig
+from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
+from pksampler.train.engine.elastic import elastic_launch, run_elastic
+from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
+from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
 __all__ = ["CHECKPOINT_FORMAT", "Run", "TrainResult", "assemble", "main", "train"]
 
