@@ -63,6 +63,7 @@ from pksampler.train.errors import ConfigError
 from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import elastic_launch, run_elastic
+from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
@@ -169,6 +170,15 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
     )
+
+
+def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
+    """The loop: the plain step, or the gradient-cached one when ``train.chunk_size`` is set."""
+    chunk_size = config.train.chunk_size
+    if chunk_size is None:
+        return Trainer(parts, [])
+    check_chunkable(parts.model, chunk_size)
+    return CachedTrainer(parts, [], chunk_size=chunk_size)
 
 
 def run_epochs(train: TrainConfig, steps_per_epoch: int) -> int:
@@ -291,7 +301,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         if not elastic:  # elastic: in each new world, inside hvd.elastic.run
             check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
         parts = _step_parts(config, backend, data, sampler, model)
-        trainer = Trainer(parts, [])
+        trainer = _trainer(config, parts)
         saved = _load_resume_state(config, backend, elastic)
         if saved is not None:
             try:
@@ -407,6 +417,7 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
           f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
           f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
+          + (f" chunk={trainer.chunk_size}" if isinstance(trainer, CachedTrainer) else "")
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "

@@ -170,6 +170,9 @@ class TrainConfig:
     gather_embeddings: bool = True
     fp16_allreduce: bool = False
     backward_passes_per_step: int = _rule(1, rules.positive_int)
+    # Gradient-cached steps (train/engine/cached_step.py): images per forward pass on a rank; the loss still
+    # sees the whole global batch and the gradients are exact. null: one forward over the rank's batch.
+    chunk_size: int | None = _rule(None, rules.optional(rules.positive_int))
     eval_every: int = _rule(2, rules.positive_int, resumable=True)
     checkpoint_every: int = _rule(50, rules.int_at_least(0), resumable=True)
     resume: bool = _rule(True, None, resumable=True)

@@ -102,6 +102,9 @@ class Backend:
         """Context for a backward pass whose gradients are not reduced yet."""
         yield
 
+    def expect_backward_passes(self, optimizer: torch.optim.Optimizer, passes: int) -> None:
+        """Tell the optimizer that ``passes`` backward passes make one step (gradient-cached steps)."""
+
     def synchronize(self, optimizer: torch.optim.Optimizer) -> None:
         """Finish the gradient allreduce before the gradients are read (fp16 unscaling)."""
 
@@ -148,6 +151,12 @@ class HorovodBackend(Backend):
             backward_passes_per_step=backward_passes_per_step,
         )
         return model, optimizer
+
+    def expect_backward_passes(self, optimizer, passes: int) -> None:
+        """Horovod's optimizer counts backward passes per parameter and allreduces at the count it was built
+        with; a gradient-cached step makes one pass per chunk, a number that changes with the rank's batch."""
+        if optimizer.backward_passes_per_step != passes:
+            optimizer.set_backward_passes_per_step(passes)
 
     def synchronize(self, optimizer) -> None:
         optimizer.synchronize()
