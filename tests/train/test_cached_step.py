@@ -180,3 +180,14 @@ def test_a_chunked_run_resumed_mid_epoch_ends_where_an_uninterrupted_one_does(tm
     resumed = load_checkpoint(tmp_path / "resumed" / "checkpoints" / "last.pt")
     assert straight["state"]["global_step"] == resumed["state"]["global_step"] == 4
     assert all(torch.equal(straight["model"][k], resumed["model"][k]) for k in straight["model"])
+
+
+def test_the_products_config_is_chunkable_as_shipped():
+    """configs/products.yaml: ResNet-50 from pretrained weights (frozen BatchNorm), G = 1,024, K = 4, chunks of 128."""
+    from launch import ROOT
+
+    config = load_config(ROOT / "configs" / "products.yaml", environ={})
+    assert (config.sampler.classes_per_step, config.sampler.samples_per_class, config.train.chunk_size) == (1024, 4, 128)
+    with torch.device("meta"):
+        model = build_model(config.model, image_size=config.data.image_size)
+    check_chunkable(model, config.train.chunk_size)
