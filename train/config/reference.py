@@ -114,7 +114,5 @@ def render() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-if __name__ == "__main__":
-    import pksampler.train  # noqa: F401  (registers the choice lists the rules read)
-
+if __name__ == "__main__":  # the package pksampler.train, imported first, registers the choice lists
     print(render(), end="")
