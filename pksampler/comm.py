@@ -31,6 +31,7 @@ __all__ = [
     "all_gather",
     "all_gather_numpy",
     "allreduce_mean",
+    "allreduce_sum",
     "barrier",
     "broadcast_object",
     "drop_padding",
@@ -210,6 +211,19 @@ def allreduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     out = tensor.detach().clone()
     dist.all_reduce(out)
     return out / dist.get_world_size()
+
+
+def allreduce_sum(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """The sum of ``tensor`` over ranks (no gradient; float64 stays float64 on every runtime)."""
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return hvd.allreduce(tensor.detach(), op=hvd.Sum, name=name)
+    dist = initialised_torch_distributed()
+    if dist is None:
+        return tensor.detach()
+    out = tensor.detach().clone()
+    dist.all_reduce(out)
+    return out
 
 
 def broadcast_object(value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any:

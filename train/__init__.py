@@ -61,6 +61,7 @@ for _kind, _module, _attribute in (
     ("pooling", "pksampler.train.modeling.model", "POOLINGS"),
     ("neck", "pksampler.train.modeling.model", "NECKS"),
     ("loss", "pksampler.train.losses.pair", "loss_names"),
+    ("head", "pksampler.train.modeling.sharded_head", "HEADS"),
 ):
     _choices.register(_kind, _names(_module, _attribute))
 _choices.register_check("augment", _check_augment)

@@ -64,6 +64,8 @@ from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import elastic_launch, run_elastic
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
+from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
+from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
@@ -150,6 +152,10 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
     except (ValueError, TypeError, ImportError) as error:
         raise ConfigError(str(error)) from None
+    row_optimizers: tuple = ()
+    if config.head.name is not None:
+        loss_fn = _with_head(config, backend, data, loss_fn)
+        row_optimizers = (loss_fn.row_optimizer,)
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
     optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
@@ -169,7 +175,30 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
+        row_optimizers=row_optimizers,
     )
+
+
+def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) -> HeadedLoss:
+    """The pair loss plus the row-sharded margin head of ``head:`` (its rows: this rank's range of the classes)."""
+    head = config.head
+    if config.train.backward_passes_per_step != 1:
+        raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
+                          f"for batches larger than memory), got {config.train.backward_passes_per_step}")
+    if backend.size > 1 and not config.train.gather_embeddings:
+        raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
+                          "global batch)")
+    if elastic_launch():
+        raise ConfigError("head.name: a sharded head does not run under Horovod elastic yet (its rows would need "
+                          "re-sharding at a reset); use torchrun elastic, which restarts from the checkpoint")
+    num_classes = int(np.asarray(data.dataset.labels).max()) + 1
+    spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
+                    subcentres=head.subcentres, weight=head.weight)
+    module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed)
+    divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
+    rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
+                        grad_divisor=divisor)
+    return HeadedLoss(pair, module, rows, weight=head.weight)
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
@@ -418,6 +447,8 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
           f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
           + (f" chunk={trainer.chunk_size}" if isinstance(trainer, CachedTrainer) else "")
+          + (f" head={config.head.name} classes={parts.loss_fn.head.num_classes} rows/rank={parts.loss_fn.head.rows.shape[0]}"
+             if isinstance(parts.loss_fn, HeadedLoss) else "")
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "

@@ -38,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistributedConfig",
+    "HeadConfig",
     "LossConfig",
     "ModelConfig",
     "OptimConfig",
@@ -144,6 +145,27 @@ class LossConfig:
 
 
 @dataclass(frozen=True)
+class HeadConfig:
+    """A margin-softmax classification head beside the pair loss, its rows sharded over the ranks.
+
+    ``name``: null (no head), ``arcface`` (cos(θ + m)), ``cosface`` (cos θ − m)
+    or ``softmax`` (normalised softmax, no margin). Each step samples its
+    positives and about ``negatives`` other classes by a hash of (seed, step,
+    class), the same at every world size; the total loss is the pair loss +
+    ``weight`` × the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
+    ``optim.weight_decay``) at the head group's learning rate.
+    """
+
+    name: str | None = _rule(None, rules.optional(rules.choice(lambda: _registry("head"))))
+    scale: float = _rule(30.0, rules.positive_finite)
+    margin: float = _rule(0.3, rules.closed_interval(0.0, 1.5))
+    # expected sampled negative classes per step (every class when >= the number of classes)
+    negatives: int = _rule(8192, rules.positive_int)
+    subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
+    weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     """AdamW or SGD. ``lr`` is for ``base_batch`` images per global step; the
     effective rate scales linearly with the global batch, after a linear
@@ -204,6 +226,7 @@ class RunConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)

@@ -126,8 +126,9 @@ class CheckpointHook(HookBase):
             raise TrainingDiverged(f"the model holds {bad} NaN or infinite parameter value(s) at global step "
                                    f"{self.trainer.state.global_step}; {name} was not written (the last good one is "
                                    "kept): lower optim.lr, raise optim.warmup_steps or check the data")
+        state = self.trainer.state_dict()  # on every rank: a sharded head gathers its rows here
         if self.is_main:
-            self.write(name, {**self.metadata, **self.trainer.state_dict()})
+            self.write(name, {**self.metadata, **state})
 
     def before_train(self) -> None:
         if self.max_steps is not None and self.trainer.state.global_step >= self.max_steps:

@@ -114,6 +114,9 @@ class StepParts:
     scaler: torch.amp.GradScaler | None = None
     seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
     loader: Any = None  # a TrainLoader yielding (model inputs, labels) per epoch; None: a DataLoader per epoch
+    # optimizers of parameters no data-parallel wrapper may average (a row-sharded head): step(lr) after the
+    # dense optimizer, at the first parameter group's learning rate
+    row_optimizers: Sequence[Any] = ()
 
 
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,6 +276,8 @@ class Trainer:
             with backend.skip_synchronize(parts.optimizer):
                 parts.scaler.step(parts.optimizer)
             parts.scaler.update()
+        for rows in parts.row_optimizers:
+            rows.step(parts.optimizer.param_groups[0]["lr"])
         parts.optimizer.zero_grad()
         parts.scheduler.step()
         state.global_step += 1

@@ -67,6 +67,9 @@ class Backend:
     def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
         return comm.allreduce_mean(tensor)
 
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return comm.allreduce_sum(tensor)
+
     def allgather(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         """Concatenate the tensors of all ranks along dim 0, keeping gradients; first dims may differ.
 
@@ -209,9 +212,13 @@ class TorchBackend(Backend):
         self._mark()
         return super().allreduce_mean(tensor)
 
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def allgather(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
         self._mark()
-        return super().allgather(tensor)
+        return super().allgather(tensor, sizes)
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._mark()
+        return super().allreduce_sum(tensor)
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         self._mark()
