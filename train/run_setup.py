@@ -188,7 +188,7 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     if backend.size > 1 and not config.train.gather_embeddings:
         raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
                           "global batch)")
-    if elastic_launch():
+    if _horovod_elastic(backend):
         raise ConfigError("head.name: a sharded head does not run under Horovod elastic yet (its rows would need "
                           "re-sharding at a reset); use torchrun elastic, which restarts from the checkpoint")
     num_classes = int(np.asarray(data.dataset.labels).max()) + 1
@@ -276,11 +276,30 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     ]
     if is_main:
         hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs))
-        if not elastic_launch():  # under Horovod elastic, lines are written at commits (elastic.CommittedMetricsHook)
+        if not _horovod_elastic(trainer.parts.backend):  # elastic: lines are written at commits (CommittedMetricsHook)
             hooks.append(MetricsLogHook(log))
         if _tensorboard_wanted(config.train.tensorboard):
             hooks.append(TensorBoardHook(TensorBoardWriter(workspace)))
     return hooks
+
+
+def _start_afresh(workspace: Path, log: EventLog, is_main: bool) -> None:
+    """A run that starts from step 0 owns the workspace's history: an earlier run's step lines, checkpoints and
+    results would otherwise sit beside its own (a restart before the first checkpoint logged its steps twice)."""
+    log.truncate_after(-1)
+    if is_main:
+        for stale in (workspace / "checkpoints" / "last.pt", workspace / "checkpoints" / "best.pt",
+                      workspace / "final_metrics.json"):
+            stale.unlink(missing_ok=True)
+
+
+def _horovod_elastic(backend: Backend) -> bool:
+    """Whether this run is Horovod elastic: launched with a host-discovery script and on the Horovod backend.
+
+    The one place that decides it (``HOROVOD_ELASTIC=1`` alone, e.g. left in the environment of a torchrun job,
+    does not make a run elastic).
+    """
+    return elastic_launch() and backend.name == "horovod"
 
 
 def _tensorboard_wanted(setting: bool | None) -> bool:
@@ -322,7 +341,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     """Build every part of a run; the config is read here and nowhere else."""
     torch.set_num_threads(config.train.threads)
     torch.manual_seed(config.seed)
-    elastic = elastic_launch() and backend.name == "horovod"
+    elastic = _horovod_elastic(backend)
     lock, data, sampler = _prepare(config, backend, elastic)
     try:
         # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
@@ -355,6 +374,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         log.truncate_after(trainer.state.global_step)
         if is_main:
             _replay_events(trainer, workspace / "metrics.jsonl")
+    else:
+        _start_afresh(workspace, log, is_main)
     if is_main:
         with writing(workspace / "config.json"):
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))

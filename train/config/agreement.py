@@ -38,11 +38,12 @@ LOCAL_KEYS = local_keys()
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``; free-form ``args`` mappings stay one value."""
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: the config's sections are opened, the mappings inside a section
+    (``data.args``, ``data.augment``, ``loss.memory``, ...) stay one value, so a difference names that key."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         path = f"{prefix}.{key}" if prefix else str(key)
-        if isinstance(value, Mapping) and not path.endswith(("args", "miner", "memory")):
+        if isinstance(value, Mapping) and not prefix:
             flat.update(flatten(value, path))
         else:
             flat[path] = value

@@ -225,6 +225,8 @@ class CheckpointWriter:
             return
         path, error = failure
         if isinstance(error, OSError):
-            with writing(path, "; the previous checkpoint is intact"):
+            # the write goes to a temporary file first: an earlier checkpoint, if there is one, is untouched
+            kept = "; the previous checkpoint is intact" if Path(path).is_file() else "; no earlier checkpoint exists"
+            with writing(path, kept):
                 raise error
         raise CheckpointError(f"checkpoint {path} could not be written: {type(error).__name__}: {error}") from error

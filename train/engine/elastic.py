@@ -302,7 +302,8 @@ def _rejoin_with_deadline(seconds: float) -> None:
     def give_up() -> None:
         print(f"[pksampler] error: Horovod elastic: no new world within {seconds:.0f} s after a membership change: "
               f"fewer slots than --min-np (or joiners slower to start than {ELASTIC_TIMEOUT_ENV} allows); this "
-              "worker stops. Start the job again when hosts are back: it resumes from the last checkpoint",
+              "worker stops. Start the job again when hosts are back: it resumes from the last checkpoint "
+              "(WORKSPACE/checkpoints/last.pt) if one was written, else from the start",
               file=sys.stderr, flush=True)
         os._exit(REJOIN_EXIT_STATUS)
 
