@@ -95,12 +95,16 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
     from pksampler.datasets import ShardedDataset
 
-    return ShardedDataset(_root(data), seed=seed, **_decoding(data))
+    root = data.root if data.root and data.root.startswith("s3://") else _root(data)  # an object store, or a folder
+    return ShardedDataset(root, seed=seed, **_decoding(data))
 
 
 def _root(data: DataConfig) -> Path:
     if not data.root:
         raise ConfigError(f"data.root: required for data.name={data.name!r} (or set DATASETS_PATH/DATASETS)")
+    if data.root.startswith("s3://"):
+        raise ConfigError(f"data.root: {data.root!r} is an object store, which only data.name: shards reads "
+                          "(pack the images, then upload: docs/object-store.md)")
     return Path(data.root)
 
 

@@ -266,7 +266,7 @@ def validate(config: Any, prefix: str = "") -> None:
 def _validate_combinations(config: RunConfig) -> None:
     """Rules that relate two keys."""
     sampler, loss = config.sampler, config.loss
-    if config.data.root:
+    if config.data.root and not config.data.root.startswith("s3://"):
         root, workspace = Path(config.data.root).resolve(), Path(config.workspace).resolve()
         if workspace == root or root in workspace.parents:
             raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "
