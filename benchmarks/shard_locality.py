@@ -21,9 +21,12 @@ Measured, for both plans on the same labels and epoch:
   per visit, GETs per rank and cluster-wide per epoch;
 * plan time per 1,000 steps: the epoch layout (once per epoch, scaled to
   1,000 steps) plus one rank's 1,000 steps of indices;
-* batch-mates (pksampler.samplers._mates) and distinct positive pairs per
-  class over 10 epochs, as ratios shard-local / default (guards >= 0.9),
-  on a smaller set (``--small`` samples) so that 10 epochs stay quick.
+* visits if a reader keeps at most one shuffle window of a lane: distinct
+  (lane, shard, window) triples per epoch, cluster-wide;
+* batch-mates (pksampler.samplers._mates, one epoch of ``--mates-samples``,
+  G = 64, so that S is about 18,000 steps, near the 13,000 of 10^8 at
+  G = 2048) and distinct positive pairs over 10 epochs (``--small``
+  samples), as ratios shard-local / default (guards >= 0.9).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from sampler_speed import long_tail_labels  # noqa: E402
 from pksampler.samplers import DistributedBalancedBatchSampler, group_labels  # noqa: E402
 from pksampler.samplers._mates import mate_fraction, well_represented  # noqa: E402
 from pksampler.samplers.pk_plan import epoch_layout, rank_batches, step_classes  # noqa: E402
-from pksampler.samplers.shard_plan import class_shards, shard_layout  # noqa: E402
+from pksampler.samplers.shard_plan import DEFAULT_WINDOW, class_shards, shard_layout  # noqa: E402
 
 
 def stored_labels(num_samples: int, num_classes: int, shard_images: int) -> tuple[np.ndarray, np.ndarray]:
@@ -59,6 +62,12 @@ def lane_visits(lane_shard: np.ndarray, local: bool) -> int:
         lanes = np.broadcast_to(np.arange(lane_shard.shape[1]), lane_shard.shape)
         return int(np.unique(lanes.astype(np.int64) * (int(lane_shard.max()) + 1) + lane_shard).size)
     return int(lane_shard.shape[1] + (np.diff(lane_shard, axis=0) != 0).sum())
+
+
+def _by_window(lane_shard: np.ndarray, window: int) -> np.ndarray:
+    """Shard ids made distinct per shuffle window (a reader that keeps no bytes past a window)."""
+    windows = (np.arange(lane_shard.shape[0]) // window)[:, None]
+    return lane_shard.astype(np.int64) * (lane_shard.shape[0] // window + 1) + windows
 
 
 def locality(labels: np.ndarray, shards: np.ndarray, args: argparse.Namespace) -> dict:
@@ -88,33 +97,43 @@ def locality(labels: np.ndarray, shards: np.ndarray, args: argparse.Namespace) -
             "gets_cluster_epoch": visits,
             "plan_s_per_1000": layout_seconds * 1000 / steps + rank_seconds,
             "shards_touched_rank": int(np.unique(lane_shard[:, :args.per_rank]).size),
+            "gets_cluster_epoch_window": lane_visits(_by_window(lane_shard, args.window), name == "shard"),
         }
     return results
 
 
-def quality(args: argparse.Namespace) -> tuple[float, float]:
-    """(batch-mate ratio, positive-pair ratio) shard-local / default over 10 epochs on ``--small`` samples."""
-    labels, shards = stored_labels(args.small, args.small // 10, args.shard_images)
-    per_step = 64
-    mates, pairs = {}, {}
+def _sampler(labels: np.ndarray, shards: np.ndarray, name: str, args: argparse.Namespace):
+    extra = {"locality": "shard", "shard_ids": shards, "window": args.window} if name == "shard" else {}
+    return DistributedBalancedBatchSampler(labels, samples_per_class=args.k, classes_per_step=64,
+                                           num_replicas=1, rank=0, seed=0, **extra)
+
+
+def mates_ratio(args: argparse.Namespace) -> float:
+    """Batch-mate fraction shard-local / default, one epoch of ``--mates-samples`` (G = 64, S about 18,000)."""
+    labels, shards = stored_labels(args.mates_samples, args.mates_samples // 10, args.shard_images)
+    means = []
     for name in ("default", "shard"):
-        extra = {"locality": "shard", "shard_ids": shards, "window": args.window} if name == "shard" else {}
-        sampler = DistributedBalancedBatchSampler(labels, samples_per_class=args.k, classes_per_step=per_step,
-                                                  num_replicas=1, rank=0, seed=0, **extra)
-        seen, fractions = [], []
+        steps = step_classes(_sampler(labels, shards, name, args).layout())
+        means.append(mate_fraction(steps, well_represented(steps, limit=400)).mean())
+    return float(means[1] / means[0])
+
+
+def pairs_ratio(args: argparse.Namespace) -> float:
+    """Distinct within-class pairs over 10 epochs, shard-local / default, on ``--small`` samples."""
+    labels, shards = stored_labels(args.small, args.small // 10, args.shard_images)
+    first, second = np.triu_indices(args.k, 1)
+    counts = []
+    for name in ("default", "shard"):
+        sampler, seen = _sampler(labels, shards, name, args), []
         for epoch in range(10):
             sampler.set_epoch(epoch)
-            steps = step_classes(sampler.layout())
-            fractions.append(mate_fraction(steps, well_represented(steps, limit=400)).mean())
             chunks = np.array(list(sampler)).reshape(-1, args.k)
-            first, second = np.triu_indices(args.k, 1)
             low = np.minimum(chunks[:, first], chunks[:, second]).astype(np.int64)
             high = np.maximum(chunks[:, first], chunks[:, second])
             keep = low != high
             seen.append(low[keep] * labels.size + high[keep])
-        mates[name] = float(np.mean(fractions))
-        pairs[name] = int(np.unique(np.concatenate(seen)).size)
-    return mates["shard"] / mates["default"], pairs["shard"] / pairs["default"]
+        counts.append(np.unique(np.concatenate(seen)).size)
+    return counts[1] / counts[0]
 
 
 def main() -> None:
@@ -124,7 +143,8 @@ def main() -> None:
     parser.add_argument("--per-rank", type=int, default=8)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--shard-images", type=int, default=5_120)
-    parser.add_argument("--window", type=int, default=256)
+    parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    parser.add_argument("--mates-samples", type=int, default=4_000_000)
     parser.add_argument("--small", type=int, default=400_000)
     args = parser.parse_args()
     labels, shards = stored_labels(args.samples, args.samples // 10, args.shard_images)
@@ -138,7 +158,7 @@ def main() -> None:
     print(f"fewer distinct visits per rank per 1,000 steps: {default['visits_rank_1000'] / local['visits_rank_1000']:.1f}x"
           " (target >= 20x)")
     print(f"K-chunks per visit: {local['chunks_per_visit']:.1f} (target >= 32)")
-    mates, pairs = quality(args)
+    mates, pairs = mates_ratio(args), pairs_ratio(args)
     print(f"batch-mates shard/default: {mates:.3f}; distinct positive pairs over 10 epochs shard/default: {pairs:.3f}"
           " (targets >= 0.9)")
 

@@ -49,7 +49,7 @@ from .pk_plan import EpochLayout, epoch_rng, epoch_runs, position_dtype, repair_
 __all__ = ["DEFAULT_WINDOW", "class_shards", "shard_layout", "visits_of", "window_positions"]
 
 #: steps per shuffle window of a lane (step 4 of the module docstring)
-DEFAULT_WINDOW = 256
+DEFAULT_WINDOW = 2048
 _SHARD_STREAM = 1  # the generator stream of the shard walk, the windows and the member key
 
 
