@@ -113,7 +113,7 @@ class _TripletPlan(StepPlanSampler):
 
         ``table`` is ``(C, hard_classes)`` integer class codes of the sampler's
         class index, nearest first, ``-1`` for none (e.g. from
-        :func:`pksampler.train.mining.class_neighbours`). It must be the same
+        :func:`pksampler.train.losses.mining.class_neighbours`). It must be the same
         on every rank: it is part of the cross-rank fingerprint and of
         ``state_dict``. Returns the validated int64 copy.
         """
@@ -194,7 +194,7 @@ class DistributedTripletSampler(FlatForm, _TripletPlan, Sampler[int]):
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             train_one_epoch(DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size))
-            sampler.set_class_neighbours(table)  # e.g. from pksampler.train.mining
+            sampler.set_class_neighbours(table)  # e.g. from pksampler.train.losses.mining
     """
 
 

@@ -7,13 +7,11 @@ hooks receive those objects, never the config.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from pksampler.datasets import (
     BatchAugment,
@@ -28,11 +26,11 @@ from pksampler.datasets import (
 from pksampler.datasets.base import LabelledDataset
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
 
-from .finetune import parameter_groups
-from .rules import ConfigError
+from pksampler.train.solver.build import build_optimizer, build_schedule
+from pksampler.train.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
-    from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
+    from pksampler.train.config.schema import DataConfig, RunConfig, SamplerConfig
 
 __all__ = [
     "DATA_SOURCES",
@@ -211,34 +209,4 @@ def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, r
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"sampler: {error}") from None
-
-
-def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int,
-                    extra_parameters: Iterable[torch.nn.Parameter] = (), *,
-                    freeze_backbone_steps: int = 0) -> torch.optim.Optimizer:
-    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch.
-
-    With ``optim.backbone_lr_scale`` != 1 or ``freeze_backbone_steps`` > 0 the
-    parameters form two groups, ``head`` at ``lr`` and ``backbone`` at
-    ``lr * backbone_lr_scale`` (:func:`.finetune.parameter_groups`).
-    """
-    lr = optim.lr * global_batch / optim.base_batch
-    split = optim.backbone_lr_scale != 1.0 or freeze_backbone_steps > 0
-    parameters = parameter_groups(model, extra_parameters, lr, backbone_lr_scale=optim.backbone_lr_scale, split=split)
-    if optim.name == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(parameters, lr=lr, weight_decay=optim.weight_decay)
-
-
-def build_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
-                   total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to zero at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

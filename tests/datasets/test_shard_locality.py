@@ -14,8 +14,8 @@ from pksampler.datasets.pack import pack
 from pksampler.samplers import DistributedBalancedBatchSampler
 from pksampler.samplers.shard_plan import visits_of
 from pksampler.train.builders import build_sampler, shard_ids_of
-from pksampler.train.config import load_config
-from pksampler.train.rules import ConfigError
+from pksampler.train.config.load import load_config
+from pksampler.train.errors import ConfigError
 
 
 def colour_source(root: Path, classes: int = 12, per_class: int = 6) -> None:

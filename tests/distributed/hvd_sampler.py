@@ -27,7 +27,7 @@ from pksampler.samplers import (
     group_labels,
     world_info,
 )
-from pksampler.train.mining import mine_class_neighbours
+from pksampler.train.losses.mining import mine_class_neighbours
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared invariant checkers
 from sampler_invariants import (  # noqa: E402
