@@ -70,6 +70,7 @@ from ._world import rank_share
 __all__ = [
     "SMALL_CLASS_POLICIES",
     "EpochLayout",
+    "PlanOptions",
     "balanced_plan",
     "chunk_counts",
     "cap_counts",
@@ -486,18 +487,33 @@ def step_classes(layout: EpochLayout) -> np.ndarray:
     return layout.class_order[layout.run_of[position]]
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """Seed, epoch, policies and starting step of one P x K plan (the defaults of the samplers).
+
+    Attributes:
+        seed: base seed; the epoch's generator is keyed by ``(seed, epoch)``.
+        epoch: the epoch to plan.
+        small_classes: ``"repeat"`` or ``"drop"`` (see :data:`SMALL_CLASS_POLICIES`).
+        class_weighting: exponent a; a class appears in proportion to ``n_c ** a``.
+        start_step: the first global step returned.
+    """
+
+    seed: int = 0
+    epoch: int = 0
+    small_classes: str = "repeat"
+    class_weighting: float = 1.0
+    start_step: int = 0
+
+
 def balanced_plan(
     index: ClassIndex,
     classes_per_batch: int | None,
     samples_per_class: int,
     num_replicas: int,
     rank: int,
+    options: PlanOptions = PlanOptions(),
     *,
-    seed: int = 0,
-    epoch: int = 0,
-    small_classes: str = "repeat",
-    class_weighting: float = 1.0,
-    start_step: int = 0,
     classes_per_step: int | None = None,
 ) -> np.ndarray:
     """One rank's batches for one epoch, shape ``(steps, P_r * K)``: layout, then slice.
@@ -512,10 +528,11 @@ def balanced_plan(
         index,
         total,
         samples_per_class,
-        seed=seed,
-        epoch=epoch,
-        small_classes=small_classes,
-        class_weighting=class_weighting,
+        seed=options.seed,
+        epoch=options.epoch,
+        small_classes=options.small_classes,
+        class_weighting=options.class_weighting,
     )
-    batches = rank_batches(layout, index, count, samples_per_class, rank, start_step=start_step, first_slot=first)
+    batches = rank_batches(layout, index, count, samples_per_class, rank, start_step=options.start_step,
+                           first_slot=first)
     return batches.reshape(batches.shape[0], count * samples_per_class)

@@ -21,6 +21,7 @@ from pksampler.comm import broadcast_object
 from pksampler.samplers import (
     DistributedBalancedBatchSampler,
     DistributedTripletBatchSampler,
+    PlanOptions,
     SamplerMismatchError,
     balanced_plan,
     check_consistent,
@@ -73,7 +74,7 @@ def main() -> None:
     check_consistent(sampler)
     mine = torch.tensor(np.array(list(sampler)), dtype=torch.int64)
     everyone = [rows.numpy() for rows in hvd.allgather(mine[None])]  # W arrays (steps, P*K)
-    single = balanced_plan(group_labels(labels), 4 * size, 3, 1, 0, seed=11, epoch=2)
+    single = balanced_plan(group_labels(labels), 4 * size, 3, 1, 0, PlanOptions(seed=11, epoch=2))
     for batches in everyone:
         check_rank_batches(batches, labels, 4, 3)
     check_disjoint_across_ranks(everyone, labels)
