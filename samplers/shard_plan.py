@@ -22,8 +22,10 @@ default plan's contract (:mod:`.pk_plan`) and changes only where chunks sit:
    batches are the same at every W from 1 to G.
 4. Inside a lane, positions are shuffled within windows of ``window``
    consecutive steps (a seeded permutation per window and lane), so a class
-   meets different classes of other lanes than a pure in-order walk would,
-   while a visit stays inside a window or two. A class split across two
+   meets different classes of other lanes than a pure in-order walk would.
+   A visit's chunks are read in a shuffled order within the windows its
+   positions fall in; the larger the window, the more varied the
+   batch-mates and the longer a reader keeps a visit's bytes. A class split across two
    lanes is repaired exactly as in the default plan (few chunks move).
 5. Members of a chunk follow the default plan's per-epoch keyed permutation
    of the class: K-groups are re-drawn every epoch inside the class's
