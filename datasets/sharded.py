@@ -237,6 +237,11 @@ class ShardedDataset(LabelledDataset):
                 raise ShardDamagedError(f"ShardedDataset: shard {path} does not match the SHA-256 in {self.root / MANIFEST}: "
                                  "its content is damaged or it was swapped with another; re-run pack")
 
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """The shard of every sample (uint32), read from index.npy alone: what ``locality="shard"`` samplers need."""
+        return np.ascontiguousarray(self.index["shard"])
+
     def describe(self, index: int) -> str:
         record = self.index[index]
         where = f"{self.store.url}/" if self.store is not None else f"{self.root}{os.sep}"
