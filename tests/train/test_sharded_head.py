@@ -317,3 +317,35 @@ def test_bnneck_config_key_is_checked():
         load_config(None, ["head.bnneck=1"], environ={})
     with pytest.raises(ValueError, match="needs at least 2 embeddings, got 1"):
         BNNeck(D)(torch.ones(1, D))
+
+
+def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
+    """12 steps of pair loss + head through the neck: rows (momentum, lazy decay, a settle at step 6) and the neck's
+    scale (torch SGD) trained at W = 1, 2, 3, each rank's loss scaled by W as the trainer does."""
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=8, subcentres=2)
+
+    def work(group):
+        world = group.size
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01, grad_divisor=world)
+        loss_fn = HeadedLoss(_CentreDistance(), head, rows, weight=1.0, neck=BNNeck(D, grad_divisor=world))
+        optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.5, momentum=0.9)
+        trace = []
+        for step in range(12):
+            embeddings, labels = inputs(200 + step)
+            loss = loss_fn(embeddings, labels)
+            (loss * world).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            rows.step(0.5)
+            trace.append(float(loss.detach()))
+            if step == 5:
+                loss_fn.state_dict()  # a checkpoint settles every row's decay
+        return np.array(trace), loss_fn.neck.norm.weight.detach().clone()
+
+    (reference, scale), = run_ranks(1, work)
+    assert float((scale - 1).abs().max()) > 1e-3  # the neck's scale trains
+    for world in (2, 3):
+        for trace, rank_scale in run_ranks(world, work):
+            assert np.allclose(trace, reference, rtol=1e-6, atol=0), (world, trace, reference)
+            assert torch.allclose(rank_scale, scale, rtol=1e-6, atol=1e-7)
