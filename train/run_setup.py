@@ -64,6 +64,7 @@ from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import elastic_launch, run_elastic
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
+from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
 from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
@@ -199,7 +200,8 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
                         grad_divisor=divisor)
-    return HeadedLoss(pair, module, rows, weight=head.weight)
+    neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
+    return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck)
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:

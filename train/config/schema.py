@@ -152,7 +152,8 @@ class HeadConfig:
     or ``softmax`` (normalised softmax, no margin). Each step samples its
     positives and about ``negatives`` other classes by a hash of (seed, step,
     class), the same at every world size; the total loss is the pair loss +
-    ``weight`` × the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
+    ``weight`` × the head's; ``bnneck`` puts a batch normalisation (zero
+    frozen bias) between the pair loss's embeddings and the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
     ``optim.weight_decay``) at the head group's learning rate.
     """
 
@@ -163,6 +164,8 @@ class HeadConfig:
     negatives: int = _rule(8192, rules.positive_int)
     subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
     weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
+    # BNNeck (BoT): the head reads batch-normalised embeddings; the pair loss and retrieval read them before it
+    bnneck: bool = _rule(False, rules.boolean)
 
 
 @dataclass(frozen=True)
