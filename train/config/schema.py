@@ -210,9 +210,9 @@ class TrainConfig:
     # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
     collective_timeout: float = _rule(300.0, rules.closed_interval(1.0, 7 * 86400.0), resumable=True)
     # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
-    # (Horovod tensor fusion off, deterministic torch kernels; see train/device.py).
+    # (Horovod tensor fusion off, deterministic torch kernels; see train/runtime/device.py).
     deterministic: bool = _rule(False, rules.boolean, resumable=True)
-    # Horovod elastic: in-memory commit every N global steps (train/elastic.py)
+    # Horovod elastic: in-memory commit every N global steps (train/engine/elastic.py)
     commit_every: int = _rule(10, rules.positive_int, resumable=True)
 
 
