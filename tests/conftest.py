@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+import pytest
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -22,3 +24,15 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A real SeaweedFS S3 server on 127.0.0.1 for the session, stopped by pid at the end."""
+    from objectstore_server import start_server
+
+    server = start_server(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server
+    finally:
+        server.stop()
