@@ -16,12 +16,12 @@ from typing import Mapping
 import numpy as np
 import torch
 
-from pksampler.train.config import RunConfig, load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.metrics import retrieval_metrics
-from pksampler.train.model import build_model
+from pksampler.train.config.load import RunConfig, load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.evaluation.metrics import retrieval_metrics
+from pksampler.train.modeling.model import build_model
 from pksampler.train.builders import build_data
-from pksampler.train.heldout import embed
+from pksampler.train.evaluation.heldout import embed
 
 __all__ = ["baseline_rows", "format_rows", "load_model_state"]
 

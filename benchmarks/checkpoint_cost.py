@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/checkpoint_cost.py [--steps 30] [--repeats 2]
 Both runs train the default config (configs/demo.yaml) for the same steps;
 one with ``train.checkpoint_every=1``, one with ``train.checkpoint_every``
 larger than the run. Rank 0 copies the state to host memory and writes it
-in a background thread (:class:`pksampler.train.checkpoint.CheckpointWriter`),
+in a background thread (:class:`pksampler.train.engine.checkpoint.CheckpointWriter`),
 so the loop pays the copy, not the write. The seconds per step come from the
 time stamps in each run's metrics.jsonl, past the first quarter of the steps;
 the median of interleaved repeats. Then, in this process, the two halves of
@@ -44,7 +44,7 @@ def seconds_per_step(workspace: Path, steps: int, *settings: str) -> float:
 
 def split_cost(path: Path, repeats: int = 5) -> tuple[float, float, int]:
     """Seconds for the host copy and for serialise + atomic write of the checkpoint at ``path``; its size."""
-    from pksampler.train.checkpoint import host_copy, load_checkpoint, save_checkpoint
+    from pksampler.train.engine.checkpoint import host_copy, load_checkpoint, save_checkpoint
 
     state = load_checkpoint(path)
     copies, writes = [], []

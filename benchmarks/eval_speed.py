@@ -39,7 +39,7 @@ def main() -> None:
 
     import faiss
 
-    from pksampler.train.metrics import retrieval_metrics
+    from pksampler.train.evaluation.metrics import retrieval_metrics
 
     x, labels = clustered_embeddings(args.num, args.dim, args.per_class)
     k = max(10, args.per_class - 1) + 1

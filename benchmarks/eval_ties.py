@@ -45,7 +45,7 @@ def main() -> None:
 
     import faiss
 
-    from pksampler.train.metrics import retrieval_metrics
+    from pksampler.train.evaluation.metrics import retrieval_metrics
 
     print(f"faiss threads {faiss.omp_get_max_threads()}, {args.dim}-d, {args.per_class} per class, "
           f"best of {args.repeats}")

@@ -69,10 +69,10 @@ def _randomise_statistics(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def _load(backbone: str, path: Path, device: torch.device, image_size: int) -> torch.nn.Module:
-    from pksampler.train.config import load_config
-    from pksampler.train.distributed import Backend
-    from pksampler.train.model import build_model
-    from pksampler.train.pretrained import load_pretrained
+    from pksampler.train.config.load import load_config
+    from pksampler.train.runtime.distributed import Backend
+    from pksampler.train.modeling.model import build_model
+    from pksampler.train.modeling.pretrained import load_pretrained
 
     config = load_config(None, [f"model.backbone={backbone}", "model.norm=batch", f"model.pretrained={path}"],
                          environ={})
@@ -206,10 +206,10 @@ def _trainer_parts(shards: Path, *, backbone: str, image_size: int, classes_per_
                    workers: int, device: str, precision: str):
     """The trainer's own pieces for one rank: dataset, transforms, P x K sampler, model, loss, device set-up."""
     from pksampler.train.builders import build_data, build_sampler
-    from pksampler.train.config import load_config
-    from pksampler.train.device import setup_device
-    from pksampler.train.losses import build_loss
-    from pksampler.train.model import build_model
+    from pksampler.train.config.load import load_config
+    from pksampler.train.runtime.device import setup_device
+    from pksampler.train.losses.pair import build_loss
+    from pksampler.train.modeling.model import build_model
 
     config = load_config(None, [
         "data.name=shards", "data.args={}", f"data.root={shards}", f"data.image_size={image_size}", f"data.workers={workers}",
@@ -227,7 +227,7 @@ def pipeline_ratio(shards: Path, *, backbone: str = "resnet50", image_size: int 
                    samples_per_class: int = 4, workers: int = 8, steps: int = 50, warmup: int = 10,
                    device: str = "cuda", precision: str = "bf16") -> dict[str, Any]:
     """Part 3: images/s of training steps fed by our loader from ``shards`` vs by inputs already on the device."""
-    from pksampler.train.loader import TrainLoader
+    from pksampler.train.runtime.loader import TrainLoader
 
     data, sampler, model, loss_fn, setup = _trainer_parts(
         shards, backbone=backbone, image_size=image_size, classes_per_step=classes_per_step,
@@ -269,8 +269,8 @@ def pipeline_ratio(shards: Path, *, backbone: str = "resnet50", image_size: int 
     ratio = loader_rate / synthetic_rate
     return {"backbone": backbone, "image_size": image_size, "batch": batch, "precision": setup.precision,
             "device": str(setup.device), "channels_last": setup.memory_format == torch.channels_last,
-            "synthetic_images_per_s": round(synthetic_rate, 1), "loader_images_per_s": round(loader_rate, 1),
-            "ratio": round(ratio, 3), "goal": PIPELINE_GOAL, "passed": ratio >= PIPELINE_GOAL,
+            "synthetic_images_per_s": synthetic_rate, "loader_images_per_s": loader_rate,
+            "ratio": ratio, "goal": PIPELINE_GOAL, "passed": ratio >= PIPELINE_GOAL,
             "cpu_cores": len(os.sched_getaffinity(0)), "loader_workers": workers,
             "torch_threads": torch.get_num_threads()}
 

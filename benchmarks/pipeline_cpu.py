@@ -22,7 +22,7 @@ Run: .venv/bin/python benchmarks/pipeline_cpu.py [--images 1200] [--repeats 5] [
      256, the previous decode size) shipping float32;
    * ``folder``, ``shards``: the current one, :class:`~pksampler.datasets.ToUint8`
      in the workers (draft decode at 224, one resize) shipping uint8, with the
-     dataset index (:class:`~pksampler.train.loader.TrainLoader`'s loader).
+     dataset index (:class:`~pksampler.train.runtime.loader.TrainLoader`'s loader).
 
    The device-side augmentation (:class:`~pksampler.datasets.BatchAugment`)
    runs on the rank's device; its cost when that device is this CPU is
@@ -93,8 +93,8 @@ def _loader(case: str, folder: Path, shards: Path, batches: list[list[int]], wor
     from torch.utils.data import DataLoader
 
     from pksampler.datasets import ImageFolderDataset, ShardedDataset, ToUint8, train_preset
-    from pksampler.train.device import DeviceSetup
-    from pksampler.train.loader import TrainLoader
+    from pksampler.train.runtime.device import DeviceSetup
+    from pksampler.train.runtime.loader import TrainLoader
 
     if case == "floor":
         listing = ImageFolderDataset(folder)

@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/real_images.py [--config configs/folder.yaml] [
 
 Steps:
 
-1. Build the image folder with ``make_real_images.py`` (photos bundled in
+1. Build the image folder with ``sets/make_real_images.py`` (photos bundled in
    scikit-image, 200 classes x 16 views at 64 px by default) unless ``--data``
    already holds a finished set with the same parameters.
 2. Train ``--config`` on it with ``horovodrun -np N`` (``HOROVOD_CYCLE_TIME=10``,
@@ -32,11 +32,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sets"))
 from baselines import baseline_rows, format_rows  # noqa: E402
 from make_real_images import make_real_images, set_is_complete  # noqa: E402
 
 from pksampler.files import atomic_write_text  # noqa: E402
-from pksampler.train.config import load_config  # noqa: E402
+from pksampler.train.config.load import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

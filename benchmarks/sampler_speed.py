@@ -98,7 +98,7 @@ def child(case: str, num_samples: int, num_classes: int) -> dict:
         seconds, peak = measure(triplet_plan)
         return {"seconds": seconds, "peak_bytes": peak, "indices": sampler.num_batches * sampler.batch_size}
     if case == "neighbour_refresh":
-        from pksampler.train.mining import class_neighbours
+        from pksampler.train.losses.mining import class_neighbours
 
         rng = np.random.default_rng(0)
         classes = num_classes // 10  # 1e5 classes at the 1e6-class size

@@ -5,7 +5,7 @@ Run: .venv/bin/python benchmarks/typeface_retrieval.py [--classes 1000] [--confi
 
 Steps:
 
-1. Build the typeface set with ``make_typeface_images.py`` (``--classes``
+1. Build the typeface set with ``sets/make_typeface_images.py`` (``--classes``
    characters, one phone-camera capture per typeface, 64 px) unless ``--data``
    already holds a finished set with the same parameters.
 2. Count, over one epoch of each sampler's plan, the positive pairs (two
@@ -43,17 +43,18 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "sets"))
 from baselines import load_model_state  # noqa: E402
 from make_typeface_images import make_typeface_images  # noqa: E402
 
 from pksampler.files import atomic_write_text  # noqa: E402
 from pksampler.samplers import DistributedBalancedBatchSampler  # noqa: E402
-from pksampler.train import builders  # noqa: E402
-from pksampler.train.config import RunConfig, load_config  # noqa: E402
-from pksampler.train.distributed import Backend  # noqa: E402
-from pksampler.train.metrics import retrieval_metrics  # noqa: E402
-from pksampler.train.heldout import embed  # noqa: E402
-from pksampler.train.model import build_model  # noqa: E402
+from pksampler.train import builders  # noqa: E402  # noqa: E402
+from pksampler.train.config.load import RunConfig, load_config  # noqa: E402
+from pksampler.train.runtime.distributed import Backend  # noqa: E402
+from pksampler.train.evaluation.metrics import retrieval_metrics  # noqa: E402
+from pksampler.train.evaluation.heldout import embed  # noqa: E402
+from pksampler.train.modeling.model import build_model  # noqa: E402
 
 SAMPLERS = ("pk", "random", "mperclass")
 TITLES = {"pk": "pksampler P×K (the trainer)", "random": "random batches (DistributedSampler)",

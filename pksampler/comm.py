@@ -31,11 +31,13 @@ __all__ = [
     "all_gather",
     "all_gather_numpy",
     "allreduce_mean",
+    "allreduce_sum",
     "barrier",
     "broadcast_object",
     "drop_padding",
     "initialised_horovod",
     "initialised_torch_distributed",
+    "launcher",
     "launcher_world",
     "local_rank",
     "pad_rows",
@@ -90,6 +92,20 @@ def launcher_world(environ: dict[str, str] | None = None) -> tuple[int, int, int
     return None
 
 
+def launcher(environ: dict[str, str] | None = None) -> str | None:
+    """Which launcher started this process, from its environment: ``horovodrun``, ``torchrun`` or None.
+
+    The one launcher detector: the trainer's ``distributed.backend: auto``
+    and the samplers' world detection both read it (or :func:`launcher_world`).
+    """
+    environ = os.environ if environ is None else environ
+    if "HOROVOD_RANK" in environ or "HOROVOD_HOSTNAME" in environ:
+        return "horovodrun"
+    if "TORCHELASTIC_RUN_ID" in environ or ("RANK" in environ and "MASTER_ADDR" in environ):
+        return "torchrun"
+    return None
+
+
 def world_info() -> tuple[int, int]:
     """``(rank, world_size)`` of this process: Horovod, torch.distributed, the launcher's environment, else (0, 1)."""
     hvd = initialised_horovod()
@@ -122,7 +138,7 @@ def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int
     dim, in rank order) saves the small collective that otherwise finds them.
 
     In backward, Horovod averages the incoming gradients and torch sums them
-    (see :class:`pksampler.train.distributed.Backend.gathered_loss_scale`);
+    (see :class:`pksampler.train.runtime.distributed.Backend.gathered_loss_scale`);
     each rank receives the rows of its own part, whatever the sizes.
     """
     hvd = initialised_horovod()
@@ -195,6 +211,19 @@ def allreduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     out = tensor.detach().clone()
     dist.all_reduce(out)
     return out / dist.get_world_size()
+
+
+def allreduce_sum(tensor: torch.Tensor, *, name: str | None = None) -> torch.Tensor:
+    """The sum of ``tensor`` over ranks (no gradient; float64 stays float64 on every runtime)."""
+    hvd = initialised_horovod()
+    if hvd is not None:
+        return hvd.allreduce(tensor.detach(), op=hvd.Sum, name=name)
+    dist = initialised_torch_distributed()
+    if dist is None:
+        return tensor.detach()
+    out = tensor.detach().clone()
+    dist.all_reduce(out)
+    return out
 
 
 def broadcast_object(value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any:

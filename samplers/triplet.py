@@ -12,7 +12,7 @@ from ._base import BatchForm, FlatForm, StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
 from ._world import rank_share, rank_shares, resolve_world, step_total
-from .triplet_plan import anchor_index, check_neighbour_table, count_triplet_steps, triplet_batches
+from .triplet_plan import TripletOptions, anchor_index, check_neighbour_table, count_triplet_steps, triplet_batches
 
 __all__ = ["DistributedTripletBatchSampler", "DistributedTripletSampler"]
 
@@ -113,7 +113,7 @@ class _TripletPlan(StepPlanSampler):
 
         ``table`` is ``(C, hard_classes)`` integer class codes of the sampler's
         class index, nearest first, ``-1`` for none (e.g. from
-        :func:`pksampler.train.mining.class_neighbours`). It must be the same
+        :func:`pksampler.train.losses.mining.class_neighbours`). It must be the same
         on every rank: it is part of the cross-rank fingerprint and of
         ``state_dict``. Returns the validated int64 copy.
         """
@@ -124,12 +124,10 @@ class _TripletPlan(StepPlanSampler):
 
     def _rank_steps(self, epoch: int, start: int, stop: int) -> np.ndarray:
         hard = self.negatives == "hard"
-        triples = triplet_batches(
-            self.index, self.anchors, self.triplets_per_batch, self.num_replicas, self.rank,
-            seed=self.seed, epoch=epoch, neighbours=self.neighbours(epoch) if hard else None,
-            hard_fraction=self.hard_fraction if hard else 0.0, start_step=start, stop_step=stop,
-            triplets_per_step=self.triplets_per_step,
-        )
+        options = TripletOptions(seed=self.seed, epoch=epoch, neighbours=self.neighbours(epoch) if hard else None,
+                                 hard_fraction=self.hard_fraction if hard else 0.0, start_step=start, stop_step=stop)
+        triples = triplet_batches(self.index, self.anchors, self.triplets_per_batch, self.num_replicas, self.rank,
+                                  options, triplets_per_step=self.triplets_per_step)
         return triples.reshape(triples.shape[0], self.batch_size)
 
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:
@@ -194,7 +192,7 @@ class DistributedTripletSampler(FlatForm, _TripletPlan, Sampler[int]):
         for epoch in range(epochs):
             sampler.set_epoch(epoch)
             train_one_epoch(DataLoader(dataset, sampler=sampler, batch_size=sampler.batch_size))
-            sampler.set_class_neighbours(table)  # e.g. from pksampler.train.mining
+            sampler.set_class_neighbours(table)  # e.g. from pksampler.train.losses.mining
     """
 
 

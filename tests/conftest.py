@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-
-import pytest
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
@@ -19,6 +17,7 @@ for _keys in LAUNCHER_ENVIRONMENT:
     for _key in _keys:
         os.environ.pop(_key, None)
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
@@ -28,10 +27,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
-    """A real SeaweedFS S3 server on 127.0.0.1 for the session, stopped by pid at the end."""
-    from objectstore_server import start_server
+    """A real SeaweedFS S3 server on 127.0.0.1 for the session (tests/objectstore_server.py)."""
+    from objectstore_server import SeaweedServer
 
-    server = start_server(tmp_path_factory.mktemp("seaweedfs"))
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    server.start()
     try:
         yield server
     finally:

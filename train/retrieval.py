@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     args = parse_args(argv)
     from pksampler.datasets import ShardDamagedError
     from pksampler.samplers import SamplerMismatchError
-    from pksampler.train.config import ConfigError, load_config
-    from pksampler.train.distributed import CollectiveTimeout
-    from pksampler.train.trainer import TrainingDiverged
+    from pksampler.train.config.load import ConfigError, load_config
+    from pksampler.train.runtime.distributed import CollectiveTimeout
+    from pksampler.train.engine.trainer import TrainingDiverged
 
     overrides = list(args.overrides)
     if args.resume is not None:

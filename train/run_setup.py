@@ -31,17 +31,17 @@ import torch
 from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
-from .agreement import check_ranks_agree, check_resume_compatible, raise_together
-from .builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
-from .checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
+from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible, raise_together
+from pksampler.train.builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of
+from pksampler.train.engine.checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
                          load_checkpoint)
-from .datacheck import IndexDigestHook
-from .device import make_deterministic
-from .distributed import Backend, make_backend
-from .events import EventStorage
-from .finetune import FreezeBackboneHook
-from .heldout import HeldOutEvaluator, embed
-from .hooks import (
+from pksampler.train.engine.datacheck import IndexDigestHook
+from pksampler.train.runtime.device import make_deterministic
+from pksampler.train.runtime.distributed import Backend, make_backend
+from pksampler.train.engine.events import EventStorage
+from pksampler.train.solver.finetune import FreezeBackboneHook
+from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
+from pksampler.train.engine.hooks import (
     BadImageHook,
     CheckpointHook,
     EvaluationHook,
@@ -52,19 +52,23 @@ from .hooks import (
     ProgressHook,
     TensorBoardHook,
 )
-from .loader import TrainLoader
-from .losses import build_loss
-from .memory import build_memory
-from .model import build_model
-from .plots import save_curves_png
-from .pretrained import load_pretrained
-from .progress import Progress
-from .rules import ConfigError
-from .schema import RunConfig, TrainConfig
-from .tensorboard import TensorBoardWriter, available as tensorboard_available
-from .elastic import elastic_launch, run_elastic
-from .trainer import StepParts, Trainer, TrainState
-from .workspace import EventLog, WorkspaceLock, prepare_workspace, writing
+from pksampler.train.runtime.loader import TrainLoader
+from pksampler.train.losses.pair import build_loss
+from pksampler.train.losses.memory import build_memory
+from pksampler.train.modeling.model import build_model
+from pksampler.train.engine.plots import save_curves_png
+from pksampler.train.modeling.pretrained import load_pretrained
+from pksampler.train.engine.progress import Progress
+from pksampler.train.errors import ConfigError
+from pksampler.train.config.schema import RunConfig, TrainConfig
+from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
+from pksampler.train.engine.elastic import elastic_launch, run_elastic
+from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
+from pksampler.train.modeling.bnneck import BNNeck
+from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
+from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
+from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
+from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
 __all__ = ["CHECKPOINT_FORMAT", "Run", "TrainResult", "assemble", "main", "train"]
 
@@ -111,7 +115,8 @@ def _prepare(config: RunConfig, backend: Backend, elastic: bool) -> tuple[Worksp
         if backend.rank == 0:
             lock = prepare_workspace(Path(config.workspace))
         data = build_data(config)
-        sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed)
+        sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed,
+                                shard_ids=shard_ids_of(data.train))
     except ConfigError as caught:
         error = caught
     try:
@@ -149,6 +154,10 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
     except (ValueError, TypeError, ImportError) as error:
         raise ConfigError(str(error)) from None
+    row_optimizers: tuple = ()
+    if config.head.name is not None:
+        loss_fn = _with_head(config, backend, data, loss_fn)
+        row_optimizers = (loss_fn.row_optimizer,)
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
     optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
@@ -168,7 +177,40 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
+        row_optimizers=row_optimizers,
     )
+
+
+def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) -> HeadedLoss:
+    """The pair loss plus the row-sharded margin head of ``head:`` (its rows: this rank's range of the classes)."""
+    head = config.head
+    if config.train.backward_passes_per_step != 1:
+        raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
+                          f"for batches larger than memory), got {config.train.backward_passes_per_step}")
+    if backend.size > 1 and not config.train.gather_embeddings:
+        raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
+                          "global batch)")
+    if _horovod_elastic(backend):
+        raise ConfigError("head.name: a sharded head does not run under Horovod elastic yet (its rows would need "
+                          "re-sharding at a reset); use torchrun elastic, which restarts from the checkpoint")
+    num_classes = int(np.asarray(data.dataset.labels).max()) + 1
+    spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
+                    subcentres=head.subcentres, weight=head.weight)
+    module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed)
+    divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
+    rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
+                        grad_divisor=divisor)
+    neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
+    return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck)
+
+
+def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
+    """The loop: the plain step, or the gradient-cached one when ``train.chunk_size`` is set."""
+    chunk_size = config.train.chunk_size
+    if chunk_size is None:
+        return Trainer(parts, [])
+    check_chunkable(parts.model, chunk_size)
+    return CachedTrainer(parts, [], chunk_size=chunk_size)
 
 
 def run_epochs(train: TrainConfig, steps_per_epoch: int) -> int:
@@ -237,11 +279,30 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     ]
     if is_main:
         hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs))
-        if not elastic_launch():  # under Horovod elastic, lines are written at commits (elastic.CommittedMetricsHook)
+        if not _horovod_elastic(trainer.parts.backend):  # elastic: lines are written at commits (CommittedMetricsHook)
             hooks.append(MetricsLogHook(log))
         if _tensorboard_wanted(config.train.tensorboard):
             hooks.append(TensorBoardHook(TensorBoardWriter(workspace)))
     return hooks
+
+
+def _start_afresh(workspace: Path, log: EventLog, is_main: bool) -> None:
+    """A run that starts from step 0 owns the workspace's history: an earlier run's step lines, checkpoints and
+    results would otherwise sit beside its own (a restart before the first checkpoint logged its steps twice)."""
+    log.truncate_after(-1)
+    if is_main:
+        for stale in (workspace / "checkpoints" / "last.pt", workspace / "checkpoints" / "best.pt",
+                      workspace / "final_metrics.json"):
+            stale.unlink(missing_ok=True)
+
+
+def _horovod_elastic(backend: Backend) -> bool:
+    """Whether this run is Horovod elastic: launched with a host-discovery script and on the Horovod backend.
+
+    The one place that decides it (``HOROVOD_ELASTIC=1`` alone, e.g. left in the environment of a torchrun job,
+    does not make a run elastic).
+    """
+    return elastic_launch() and backend.name == "horovod"
 
 
 def _tensorboard_wanted(setting: bool | None) -> bool:
@@ -283,7 +344,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     """Build every part of a run; the config is read here and nowhere else."""
     torch.set_num_threads(config.train.threads)
     torch.manual_seed(config.seed)
-    elastic = elastic_launch() and backend.name == "horovod"
+    elastic = _horovod_elastic(backend)
     lock, data, sampler = _prepare(config, backend, elastic)
     try:
         # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
@@ -291,7 +352,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         if not elastic:  # elastic: in each new world, inside hvd.elastic.run
             check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
         parts = _step_parts(config, backend, data, sampler, model)
-        trainer = Trainer(parts, [])
+        trainer = _trainer(config, parts)
         saved = _load_resume_state(config, backend, elastic)
         if saved is not None:
             try:
@@ -316,6 +377,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         log.truncate_after(trainer.state.global_step)
         if is_main:
             _replay_events(trainer, workspace / "metrics.jsonl")
+    else:
+        _start_afresh(workspace, log, is_main)
     if is_main:
         with writing(workspace / "config.json"):
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
@@ -341,7 +404,8 @@ def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts) -> Call
     backend = trainer.parts.backend
     return lambda: run_elastic(
         trainer, commit_every=config.train.commit_every,
-        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed),
+        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed,
+                                                         shard_ids=shard_ids_of(data.train)),
         gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
         before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
 
@@ -407,6 +471,9 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
           f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
           f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
+          + (f" chunk={trainer.chunk_size}" if isinstance(trainer, CachedTrainer) else "")
+          + (f" head={config.head.name} classes={parts.loss_fn.head.num_classes} rows/rank={parts.loss_fn.head.rows.shape[0]}"
+             if isinstance(parts.loss_fn, HeadedLoss) else "")
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("skimage")  # a dev extra; the set is built from its bundled photos
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "sets"))
 from make_real_images import make_real_images, set_is_complete  # noqa: E402
 
 from pksampler.datasets import ImageFolderDataset  # noqa: E402

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "sets"))
 from make_typeface_images import MANIFEST, TYPEFACES, make_typeface_images  # noqa: E402
 
 from pksampler.datasets import ImageFolderDataset  # noqa: E402

@@ -10,7 +10,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from typeface_retrieval import batch_counts, random_batches  # noqa: E402
 
-from pksampler.train.schema import SamplerConfig  # noqa: E402
+from pksampler.train.config.schema import SamplerConfig  # noqa: E402
 
 # 600 classes of 7 images, like the typeface set: random batches of 64 rarely pair two images of a class.
 LABELS = np.repeat(np.arange(600), 7)

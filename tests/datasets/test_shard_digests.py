@@ -127,9 +127,9 @@ def test_labels_moved_within_range_are_refused_by_the_class_counts(tmp_path):
 
 
 def test_the_trainer_finds_rot_in_the_middle_of_the_index_in_the_background(tmp_path):
-    from pksampler.train.datacheck import IndexDigestHook
-    from pksampler.train.distributed import Backend
-    from pksampler.train.rules import ConfigError
+    from pksampler.train.engine.datacheck import IndexDigestHook
+    from pksampler.train.runtime.distributed import Backend
+    from pksampler.train.errors import ConfigError
 
     large_labels(tmp_path)
     index = np.load(tmp_path / "index.npy", mmap_mode="r+")

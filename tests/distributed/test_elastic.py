@@ -85,7 +85,7 @@ def _logged_steps(workspace: Path) -> list[int]:
 def uninterrupted_plan(steps: int) -> list[list[tuple[int, int]]]:
     """(epoch, sample index) pairs of global steps 1..steps: the sampler at one rank, the run's config."""
     from pksampler.train.builders import build_data, build_sampler
-    from pksampler.train.config import load_config
+    from pksampler.train.config.load import load_config
 
     config = load_config(ROOT / "configs" / "demo.yaml", list(SETTINGS))
     sampler = build_sampler(config.sampler, build_data(config).train.labels, 1, 0, config.seed)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from launch import ROOT, launch
 
-from pksampler.train.config import load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.resnet import resnet
+from pksampler.train.config.load import load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.modeling.resnet import resnet
 from pksampler.train.run_setup import train
 
 pytestmark = pytest.mark.horovod

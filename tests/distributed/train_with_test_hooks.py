@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "train"))
 from retrieval import main  # noqa: E402
 
 from pksampler.comm import world_info  # noqa: E402
-from pksampler.train.hooks import HookBase  # noqa: E402
+from pksampler.train.engine.hooks import HookBase  # noqa: E402
 
 
 class CrashAt(HookBase):
@@ -65,8 +65,8 @@ class Audit(HookBase):
     def after_train(self) -> None:
         import torch
 
-        from pksampler.train.device import resolve_device
-        from pksampler.train.rules import ConfigError
+        from pksampler.train.runtime.device import resolve_device
+        from pksampler.train.errors import ConfigError
 
         backend = self.trainer.parts.backend
         try:

@@ -66,7 +66,7 @@ def test_the_installed_packages_are_consistent():
 
 
 def test_pytorch_metric_learning_is_imported_only_for_pml_losses(tmp_path):
-    code = ("import sys, pksampler.train.losses as L; print('pytorch_metric_learning' in sys.modules);"
+    code = ("import sys, pksampler.train.losses.pair as L; print('pytorch_metric_learning' in sys.modules);"
             "L.build_loss('pml.ContrastiveLoss', {}); print('pytorch_metric_learning' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

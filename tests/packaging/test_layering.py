@@ -10,10 +10,11 @@ Layers:
 
 * library: ``pksampler`` (core), ``pksampler.samplers``, ``pksampler.datasets``;
   never imports ``pksampler.train``;
-* loop: ``train/trainer.py`` (with ``HookBase``), ``train/hooks.py``,
-  ``train/events.py``; never imports the application layer;
+* the trainer's sub-packages, each importing only those below it
+  (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling``, ``losses``,
+  ``runtime`` < ``evaluation`` < ``engine`` < ``solver``;
 * application: ``train/run_setup.py`` (``train``/``main``), the builders, the
-  config modules, the script and the package's ``__init__``.
+  registry of choices in the package's ``__init__`` and the script, on top.
 """
 
 from __future__ import annotations
@@ -25,19 +26,35 @@ import pytest
 from launch import ROOT
 
 #: package name -> source folder (pyproject.toml's package-dir)
+SUBPACKAGES = ("config", "engine", "evaluation", "losses", "modeling", "runtime", "solver")
 PACKAGES = {
     "pksampler": ROOT / "pksampler",
     "pksampler.samplers": ROOT / "samplers",
     "pksampler.datasets": ROOT / "datasets",
     "pksampler.train": ROOT / "train",
+    **{f"pksampler.train.{name}": ROOT / "train" / name for name in SUBPACKAGES},
 }
 LIBRARY = ("pksampler.samplers", "pksampler.datasets")
-LOOP = {"pksampler.train.trainer", "pksampler.train.hooks", "pksampler.train.events"}
-APPLICATION = {
-    "pksampler.train", "pksampler.train.run_setup", "pksampler.train.builders", "pksampler.train.schema",
-    "pksampler.train.config", "pksampler.train.overrides", "pksampler.train.agreement",
-    "pksampler.train.retrieval",
+APPLICATION = {"pksampler.train", "pksampler.train.run_setup", "pksampler.train.builders", "pksampler.train.retrieval"}
+#: trainer role -> the roles it may import (besides itself and the library); the application may import all
+ALLOWED = {
+    "errors": set(),
+    "config": {"errors"},
+    "modeling": {"errors", "config"},
+    "losses": {"errors", "config"},
+    "runtime": {"errors", "config"},
+    "evaluation": {"errors", "config", "runtime"},
+    "engine": {"errors", "config", "runtime", "losses", "modeling", "evaluation"},
+    "solver": {"errors", "config", "engine", "modeling"},
 }
+
+
+def role(module: str) -> str | None:
+    """The trainer role of a module (``pksampler.train.engine.hooks`` -> ``engine``); None outside the roles."""
+    parts = module.split(".")
+    if module in APPLICATION or parts[:2] != ["pksampler", "train"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ALLOWED else None
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
@@ -116,8 +133,8 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_walk_sees_every_package_and_local_and_relative_imports():
     graph = import_graph()
-    assert {"pksampler", "pksampler.samplers.triplet", "pksampler.datasets.folder", "pksampler.train.trainer"} <= set(graph)
-    assert "pksampler.train.trainer" in graph["pksampler.train.hooks"]  # relative, module level
+    assert {"pksampler", "pksampler.samplers.triplet", "pksampler.datasets.folder", "pksampler.train.engine.trainer"} <= set(graph)
+    assert "pksampler.train.engine.trainer" in graph["pksampler.train.engine.hooks"]  # relative, module level
     assert "pksampler.train.run_setup" in graph["pksampler.train"]  # function-local, in the package __init__
     assert "pksampler.train.run_setup" in graph["pksampler.train.retrieval"]  # absolute, function-local
 
@@ -129,9 +146,27 @@ def test_the_library_never_imports_the_trainer():
     assert not {k: v for k, v in offenders.items() if v}, offenders
 
 
-def test_the_loop_never_imports_the_application_layer():
+def test_each_role_imports_only_the_roles_below_it():
+    offenders = {}
+    for name, targets in import_graph().items():
+        own = role(name)
+        if own is None:
+            continue
+        bad = sorted(t for t in targets if t.startswith("pksampler.train")
+                     and (t in APPLICATION or (role(t) not in ALLOWED[own] | {own})))
+        if bad:
+            offenders[name] = bad
+    assert not offenders, offenders
+
+
+def test_the_configuration_imports_neither_models_nor_datasets():
+    """Validating a YAML file loads no model, loss, dataset or sampler code: their names come from above."""
     graph = import_graph()
-    offenders = {name: sorted(graph[name] & APPLICATION) for name in LOOP}
+    config = [name for name in graph if role(name) == "config"]
+    assert config
+    offenders = {name: sorted(t for t in graph[name] if t.startswith(("pksampler.datasets", "pksampler.train.modeling",
+                                                                    "pksampler.train.losses")))
+                 for name in config}
     assert not {k: v for k, v in offenders.items() if v}, offenders
 
 

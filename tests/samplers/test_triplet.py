@@ -17,7 +17,7 @@ from pksampler.samplers import (
     check_consistent,
     SamplerMismatchError,
 )
-from pksampler.train.mining import mine_class_neighbours
+from pksampler.train.losses.mining import mine_class_neighbours
 
 
 @st.composite
@@ -223,7 +223,7 @@ def test_hard_classes_is_bounded_by_the_number_of_other_classes(hard_classes):
 
 
 def test_mining_is_train_side_numpy_in_numpy_out():
-    from pksampler.train.mining import class_neighbours
+    from pksampler.train.losses.mining import class_neighbours
 
     embeddings, labels = planted_embeddings()
     table = class_neighbours(embeddings, labels, 12, 3)

@@ -78,3 +78,17 @@ def test_epoch_mismatch_and_consistent_ranks():
         check_consistent(samplers[0], allgather=simulated_allgather(samplers))
     with pytest.raises(SamplerMismatchError, match="3 processes took part"):
         check_consistent(samplers[0], allgather=lambda row: np.stack([row] * 3))
+
+
+@pytest.mark.parametrize(("environ", "expected"), [
+    ({"HOROVOD_RANK": "0", "HOROVOD_SIZE": "2"}, "horovodrun"),
+    ({"HOROVOD_HOSTNAME": "localhost"}, "horovodrun"),
+    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2"}, "torchrun"),
+    ({"RANK": "0", "MASTER_ADDR": "127.0.0.1"}, "torchrun"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, None),  # a bare RANK is not a launcher
+    ({}, None),
+])
+def test_one_launcher_detector_for_the_samplers_and_the_trainer(environ, expected):
+    from pksampler import comm
+
+    assert comm.launcher(environ) == expected

@@ -18,12 +18,12 @@ import torch
 from reference_models import import_timm
 from safetensors.torch import save_file
 
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.model import build_model
-from pksampler.train.pretrained import load_backbone_weights, load_pretrained
-from pksampler.train.resnet import resnet
-from pksampler.train.vit import VisionTransformer, vit
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.modeling.model import build_model
+from pksampler.train.modeling.pretrained import load_backbone_weights, load_pretrained
+from pksampler.train.modeling.resnet import resnet
+from pksampler.train.modeling.vit import VisionTransformer, vit
 
 TOLERANCE = dict(atol=1e-5, rtol=1e-5)
 
@@ -49,7 +49,7 @@ def _timm(name: str, **kwargs) -> torch.nn.Module:
 
 
 def _config(backbone: str, pretrained: Path | None = None, *extra: str):
-    overrides = [f"model.backbone={backbone}", "model.norm=batch", *extra]
+    overrides = [f"model.backbone={backbone}", *extra]
     if pretrained is not None:
         overrides.append(f"model.pretrained={pretrained}")
     return load_config(None, overrides, environ={}).model
@@ -208,7 +208,7 @@ def test_model_norm_sets_the_resnets_normalisation(norm):
 
 
 def test_a_pretrained_file_reaches_the_model_through_the_trainer(tmp_path):
-    from pksampler.train.checkpoint import load_checkpoint
+    from pksampler.train.engine.checkpoint import load_checkpoint
     from pksampler.train.run_setup import train
 
     state = _randomised(_timm("resnet18"), seed=6).state_dict()
@@ -222,3 +222,48 @@ def test_a_pretrained_file_reaches_the_model_through_the_trainer(tmp_path):
     train(config, Backend())
     saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["model"]
     assert all(torch.equal(saved[f"backbone.{k}"], v) for k, v in state.items() if not k.startswith("fc."))
+
+
+def test_a_plain_pretrained_resnet50_trains_with_its_own_frozen_batch_norm(tmp_path):
+    """``model.backbone=resnet50 model.pretrained=FILE`` and nothing else: BatchNorm, frozen, every tensor loaded."""
+    from pksampler.train.engine.checkpoint import load_checkpoint
+    from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
+    from pksampler.train.run_setup import train
+
+    with torch.device("meta"):
+        names = list(_timm("resnet50").state_dict())
+    state = _randomised(resnet("resnet50"), seed=3).state_dict()
+    path = tmp_path / "resnet50.pth"
+    torch.save({k: v for k, v in state.items() if not k.endswith("num_batches_tracked")}, path)
+    config = load_config(None, [
+        "data.args={num_classes: 8, images_per_class: 4, image_size: 32}", "data.image_size=32", "data.workers=0",
+        "sampler.classes_per_step=2", "sampler.samples_per_class=2", "model.backbone=resnet50",
+        f"model.pretrained={path}", "train.max_steps=1", "train.tensorboard=false", f"workspace={tmp_path / 'run'}"],
+        environ={})
+    assert config.model.norm == "auto" and config.model.freeze_norm is None
+    model = build_model(config.model, image_size=32)
+    assert all(type(m) is FrozenBatchNorm2d for m in model.backbone.modules() if isinstance(m, torch.nn.BatchNorm2d))
+    assert type(model.backbone.bn1) is FrozenBatchNorm2d
+    result = train(config, Backend())
+    assert result.global_step == 1
+    saved = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.pt")["model"]
+    loaded = [k for k in names if not k.startswith("fc.")]
+    assert len(loaded) == 318 and all(f"backbone.{k}" in saved for k in loaded)
+    # frozen statistics stay exactly as loaded after a training step
+    assert all(torch.equal(saved[f"backbone.{k}"], state[k]) for k in loaded if "running_" in k)
+
+
+@pytest.mark.parametrize(("backbone", "pretrained", "extra", "norm", "frozen"), [
+    ("resnet", False, [], "group", False),  # the demo network keeps group norm (small per-rank batches)
+    ("resnet18", False, [], "batch", False),  # a ResNet from scratch: its own BatchNorm, training
+    ("resnet18", True, [], "batch", True),  # fine-tuning: frozen, as detectron2 does
+    ("resnet18", True, ["model.freeze_norm=false"], "batch", False),  # an explicit value wins
+    ("resnet18", False, ["model.norm=group"], "group", False),
+    ("vit_small_patch16", True, [], "none", False),  # LayerNorm is the ViT's own; nothing to freeze
+])
+def test_model_norm_auto_is_the_backbones_own(tmp_path, backbone, pretrained, extra, norm, frozen):
+    from pksampler.train.modeling.model import resolve_norm
+
+    overrides = [f"model.backbone={backbone}", *extra] + ([f"model.pretrained={tmp_path / 'w.pth'}"] if pretrained else [])
+    resolved = resolve_norm(load_config(None, overrides, environ={}).model)
+    assert (resolved.norm, resolved.freeze_norm) == (norm, frozen)

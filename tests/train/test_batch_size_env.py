@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pksampler.train.config import load_config
+from pksampler.train.config.load import load_config
 
 
 def test_batch_size_is_resolved_with_the_samples_per_class_given_by_set(tmp_path):

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import pksampler.files as files
-from pksampler.train import checkpoint as checkpoint_module
-from pksampler.train.checkpoint import CheckpointWriter, host_copy, load_checkpoint
-from pksampler.train.rules import ConfigError
+from pksampler.train.engine import checkpoint as checkpoint_module
+from pksampler.train.engine.checkpoint import CheckpointWriter, host_copy, load_checkpoint
+from pksampler.train.errors import ConfigError
 
 
 def test_a_host_copy_shares_no_memory_with_the_live_state():

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pksampler.train.losses import batch_hard_triplet, build_loss, contrastive, multi_similarity, triplet
-from pksampler.train.model import EmbeddingNet, norm_factory
+from pksampler.train.losses.pair import batch_hard_triplet, build_loss, contrastive, multi_similarity, triplet
+from pksampler.train.modeling.model import EmbeddingNet, norm_factory
 
 
 def test_model_outputs_unit_embeddings():

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pksampler.train.config import ConfigError, RunConfig, load_config
+from pksampler.train.config.load import ConfigError, RunConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_unknown_keys_are_named(tmp_path):
 def test_types_and_choices_are_checked():
     with pytest.raises(ConfigError, match=r"train.epochs: expected an integer, got 'three'"):
         load_config(None, ["train.epochs=three"], environ={})
-    with pytest.raises(ConfigError, match=r"model.norm: must be one of \['group', .*got 'layer'"):
+    with pytest.raises(ConfigError, match=r"model.norm: must be one of \['auto', 'group', .*got 'layer'"):
         load_config(None, ["model.norm=layer"], environ={})
     with pytest.raises(ConfigError, match=r"data.test_fraction: must be in \(0, 1\), got 1.0"):
         load_config(None, ["data.test_fraction=1.0"], environ={})
@@ -40,7 +40,7 @@ def test_types_and_choices_are_checked():
 
 def test_choice_lists_come_from_the_registries():
     from pksampler.train.builders import DATA_SOURCES
-    from pksampler.train.losses import loss_names
+    from pksampler.train.losses.pair import loss_names
 
     with pytest.raises(ConfigError) as caught:
         load_config(None, ["data.name=nowhere"], environ={})

@@ -14,9 +14,9 @@ from PIL import Image
 from pksampler.datasets.pack import pack
 from pksampler.files import atomic_write_bytes
 from pksampler.train.builders import build_data
-from pksampler.train.checkpoint import CheckpointError
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.distributed import Backend
+from pksampler.train.engine.checkpoint import CheckpointError
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.runtime.distributed import Backend
 from pksampler.train.run_setup import train
 
 TINY = [

@@ -7,8 +7,8 @@ import warnings
 import pytest
 import torch
 
-from pksampler.train.config import ConfigError
-from pksampler.train.device import DeviceSetup, resolve_device, resolve_precision
+from pksampler.train.config.load import ConfigError
+from pksampler.train.runtime.device import DeviceSetup, resolve_device, resolve_precision
 
 
 def test_auto_uses_the_local_ranks_gpu_when_there_is_one():
@@ -61,7 +61,7 @@ def test_cuda_setup_asks_for_pinned_memory_channels_last_and_an_fp16_scaler():
 
 
 def test_deterministic_mode_turns_fusion_off_before_horovod_starts_and_torch_to_deterministic_kernels():
-    from pksampler.train.device import make_deterministic
+    from pksampler.train.runtime.device import make_deterministic
 
     environ = {"HOROVOD_FUSION_THRESHOLD": str(64 << 20)}
     try:
@@ -84,7 +84,7 @@ class _GlobalRandom(torch.utils.data.Dataset):
 
 
 def test_loader_workers_draw_seeds_keyed_by_seed_epoch_and_rank():
-    from pksampler.train.device import loader_generator
+    from pksampler.train.runtime.device import loader_generator
 
     def draws(seed, epoch, rank):
         torch.manual_seed(1234 + epoch)  # the process's global RNG must not matter
@@ -98,7 +98,7 @@ def test_loader_workers_draw_seeds_keyed_by_seed_epoch_and_rank():
 
 
 def test_deterministic_is_true_or_false():
-    from pksampler.train.config import load_config
+    from pksampler.train.config.load import load_config
 
     assert load_config(None, ["train.deterministic=true"], environ={}).train.deterministic is True
     with pytest.raises(ConfigError, match=r"train.deterministic: expected true or false, got 'maybe'"):
@@ -106,7 +106,7 @@ def test_deterministic_is_true_or_false():
 
 
 def test_cpu_runs_get_a_10_ms_horovod_cycle_unless_the_environment_sets_one():
-    from pksampler.train.device import horovod_cpu_defaults
+    from pksampler.train.runtime.device import horovod_cpu_defaults
 
     for choice, cuda, expected in [("auto", False, "10"), ("cpu", True, "10"), ("auto", True, None), ("cuda", True, None)]:
         environ: dict[str, str] = {}

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from pksampler.files import atomic_write_bytes
-from pksampler.train.checkpoint import CheckpointError, load_checkpoint
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.hooks import HookBase
+from pksampler.train.engine.checkpoint import CheckpointError, load_checkpoint
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.engine.hooks import HookBase
 from pksampler.train.run_setup import train
-from pksampler.train.trainer import TrainingDiverged
-from pksampler.train.workspace import EventLog
+from pksampler.train.engine.trainer import TrainingDiverged
+from pksampler.train.runtime.workspace import EventLog
 
 TINY = [
     "seed=3", "data.args={num_classes: 24, images_per_class: 6, image_size: 32}", "data.image_size=24",

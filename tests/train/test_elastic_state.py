@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.elastic import (
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.engine.elastic import (
     CommittedMetricsHook,
     SamplerHandler,
     _TrainStateHandler,
@@ -16,9 +16,9 @@ from pksampler.train.elastic import (
     rejoin_timeout,
 )
 from pksampler.train.builders import build_sampler
-from pksampler.train.events import EventStorage
-from pksampler.train.schema import SamplerConfig
-from pksampler.train.trainer import TrainState
+from pksampler.train.engine.events import EventStorage
+from pksampler.train.config.schema import SamplerConfig
+from pksampler.train.engine.trainer import TrainState
 
 LABELS = np.repeat(np.arange(40), 6)
 CONFIG = SamplerConfig(classes_per_step=8, samples_per_class=2)
@@ -137,8 +137,8 @@ def test_commit_every_must_be_positive():
 def test_a_reset_is_not_the_end_of_training_for_the_hooks():
     from horovod.common.exceptions import HostsUpdatedInterrupt
 
-    from pksampler.train.elastic import _keep_hooks_open_across_resets
-    from pksampler.train.trainer import HookBase
+    from pksampler.train.engine.elastic import _keep_hooks_open_across_resets
+    from pksampler.train.engine.trainer import HookBase
 
     closed = []
 
@@ -167,7 +167,7 @@ def test_a_reset_is_not_the_end_of_training_for_the_hooks():
 def test_the_saved_position_is_the_loops_not_the_samplers_iterator():
     from types import SimpleNamespace
 
-    from pksampler.train.elastic import loop_position
+    from pksampler.train.engine.elastic import loop_position
 
     sampler = _sampler(2, 1)
     sampler.set_epoch(1)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from pksampler.train.metrics import evaluate_retrieval, knn_search, retrieval_metrics
-from pksampler.train.metrics import _normalise
+from pksampler.train.evaluation.metrics import evaluate_retrieval, knn_search, retrieval_metrics
+from pksampler.train.evaluation.metrics import _normalise
 
 
 def reference_metrics(query, query_labels, gallery=None, gallery_labels=None, ks=(1, 5, 10), metric="cosine"):
@@ -169,7 +169,7 @@ def test_collapsed_model_all_embeddings_equal_match_reference(metric):
 def test_sparse_tie_groups_need_several_scan_blocks(monkeypatch):
     # Three distinct points; the copies of point 0 sit every 97th index, so the
     # items tied with a query at point 0 are spread over the whole gallery.
-    monkeypatch.setattr("pksampler.train.metrics._TIE_BUDGET", 64)  # many small row/column steps
+    monkeypatch.setattr("pksampler.train.evaluation.metrics._TIE_BUDGET", 64)  # many small row/column steps
     n = 2000
     points = np.float32([[0, 0], [5, 0], [0, 7]])
     kind = np.where(np.arange(n) % 97 == 0, 0, 1 + np.arange(n) % 2)

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from pksampler.train.builders import build_optimizer, build_schedule
-from pksampler.train.checkpoint import load_checkpoint
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.finetune import FreezeBackboneHook
-from pksampler.train.frozen_norm import FrozenBatchNorm2d
-from pksampler.train.model import build_model
+from pksampler.train.engine.checkpoint import load_checkpoint
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.solver.finetune import FreezeBackboneHook
+from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
+from pksampler.train.modeling.model import build_model
 from pksampler.train.run_setup import train
 
 TINY = [

@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 from pksampler.datasets import ImageFolderDataset, LabelledSubset, eval_preset
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.heldout import HeldOutEvaluator, embed
-from pksampler.train.metrics import evaluate_retrieval
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
+from pksampler.train.evaluation.metrics import evaluate_retrieval
 from pksampler.train.run_setup import train
 
 GARBAGE = b"garbage"  # 7 bytes that no decoder accepts
@@ -106,7 +106,7 @@ class RecordingBackend:
 
 
 def test_unreadable_flags_of_every_rank_are_combined():
-    from pksampler.train.heldout import _flagged_on_any_rank
+    from pksampler.train.evaluation.heldout import _flagged_on_any_rank
 
     rng = np.random.default_rng(0)
     count, world = 77, 3

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler
-from pksampler.train.distributed import Backend
-from pksampler.train.events import EventStorage
-from pksampler.train.hooks import (
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.engine.events import EventStorage
+from pksampler.train.engine.hooks import (
     BadImageHook,
     CheckpointHook,
     EvaluationHook,
@@ -31,10 +31,10 @@ from pksampler.train.hooks import (
     ProgressHook,
     TensorBoardHook,
 )
-from pksampler.train.progress import Progress
-from pksampler.train.rules import ConfigError
-from pksampler.train.trainer import StepParts, Trainer
-from pksampler.train.workspace import EventLog
+from pksampler.train.engine.progress import Progress
+from pksampler.train.errors import ConfigError
+from pksampler.train.engine.trainer import StepParts, Trainer
+from pksampler.train.runtime.workspace import EventLog
 
 CLASSES, PER_CLASS = 4, 6
 LABELS = np.repeat(np.arange(CLASSES), PER_CLASS)

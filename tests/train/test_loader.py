@@ -7,8 +7,8 @@ import torch
 
 from pksampler.datasets import BatchAugment, ImageLoadError, LabelledSubset, SyntheticProducts, ToUint8
 from pksampler.samplers import DistributedBalancedBatchSampler
-from pksampler.train.device import DeviceSetup
-from pksampler.train.loader import TrainLoader
+from pksampler.train.runtime.device import DeviceSetup
+from pksampler.train.runtime.loader import TrainLoader
 
 CPU = DeviceSetup(torch.device("cpu"), "fp32")
 BAD = 7  # the sample whose image cannot be decoded

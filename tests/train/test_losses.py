@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pksampler.train.losses import (
+from pksampler.train.losses.pair import (
     LOSSES,
     PML_PREFIX,
     MetricLoss,
@@ -19,7 +19,7 @@ from pksampler.train.losses import (
     loss_names,
     multi_similarity,
 )
-from pksampler.train.memory import CrossBatchMemory
+from pksampler.train.losses.memory import CrossBatchMemory
 
 PAIR_LOSSES = (batch_hard_triplet, multi_similarity, contrastive)
 

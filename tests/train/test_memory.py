@@ -8,8 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.nn import functional as F
 
-from pksampler.train.losses import build_loss
-from pksampler.train.memory import CrossBatchMemory, build_memory
+from pksampler.train.losses.pair import build_loss
+from pksampler.train.losses.memory import CrossBatchMemory, build_memory
 
 
 def _batch(step: int, rows: int = 8, dim: int = 4) -> tuple[torch.Tensor, torch.Tensor]:

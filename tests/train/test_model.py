@@ -7,8 +7,8 @@ import dataclasses
 import pytest
 import torch
 
-from pksampler.train.config import ConfigError, ModelConfig, load_config
-from pksampler.train.model import GeM, EmbeddingNet, build_model
+from pksampler.train.config.load import ConfigError, ModelConfig, load_config
+from pksampler.train.modeling.model import GeM, EmbeddingNet, build_model
 
 POOLINGS = ("avg", "gem", "avgmax")
 NECKS = ("none", "batch", "layer")

@@ -7,8 +7,8 @@ import pytest
 import torch
 from PIL import Image
 
-from pksampler.train.plots import curves_figure, save_curves_png, smooth
-from pksampler.train.render import render_gallery, save_gallery_png
+from pksampler.train.engine.plots import curves_figure, save_curves_png, smooth
+from pksampler.train.evaluation.render import render_gallery, save_gallery_png
 
 
 def test_curves_figure_has_two_labelled_panels_with_the_data():

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from pksampler.train.progress import Progress, format_eta
+from pksampler.train.engine.progress import Progress, format_eta
 
 
 class FakeClock:
@@ -152,7 +152,7 @@ def test_through_a_pipe_the_default_is_plain_lines_on_stdout():
     import subprocess
 
     script = (
-        "from pksampler.train.progress import Progress\n"
+        "from pksampler.train.engine.progress import Progress\n"
         "p = Progress(4, 1, every_steps=2)\n"
         "p.start_epoch(0)\n"
         "for s in range(1, 5): p.update(s, loss=0.5)\n"

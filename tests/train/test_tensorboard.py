@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pksampler.train import tensorboard as tb
+from pksampler.train.engine import tensorboard as tb
 
 pytestmark = pytest.mark.skipif(not tb.available(), reason="the optional 'tensorboard' package is not installed")
 

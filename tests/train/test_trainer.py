@@ -14,13 +14,13 @@ import torch
 
 from pksampler.files import atomic_write_bytes
 from pksampler.train.builders import build_data, build_sampler
-from pksampler.train.checkpoint import CheckpointError, load_checkpoint
-from pksampler.train.config import ConfigError, load_config
-from pksampler.train.distributed import Backend
-from pksampler.train.hooks import HookBase
+from pksampler.train.engine.checkpoint import CheckpointError, load_checkpoint
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.engine.hooks import HookBase
 from pksampler.train.run_setup import train
-from pksampler.train.trainer import TrainingDiverged
-from pksampler.train.workspace import WorkspaceLock
+from pksampler.train.engine.trainer import TrainingDiverged
+from pksampler.train.runtime.workspace import WorkspaceLock
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [
@@ -266,7 +266,7 @@ def test_train_takes_a_custom_model_instead_of_the_configured_one(tmp_path):
 
 
 def test_a_crash_in_evaluation_keeps_the_epoch_and_the_resumed_curves_show_the_whole_run(tmp_path, monkeypatch):
-    from pksampler.train import heldout
+    from pksampler.train.evaluation import heldout
 
     real = heldout.HeldOutEvaluator.__call__
 

@@ -25,7 +25,7 @@ import torch
 
 from pksampler.comm import drop_padding, pad_rows
 from pksampler.samplers import DistributedBalancedBatchSampler
-from pksampler.train.losses import build_loss
+from pksampler.train.losses.pair import build_loss
 
 WORLD, G, K, DIM = 3, 7, 2, 12
 

@@ -1,0 +1,351 @@
+"""The row-sharded margin head: exact against a full softmax, the same at every world size, sparse, resumable.
+
+World sizes are simulated in one process with one thread per rank and a
+barrier-backed ``allreduce_sum`` / ``allgather`` (:class:`ThreadGroup`), so a
+W = 3 step runs the head's real collectives code; tests/distributed runs it
+under horovodrun and torchrun.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pksampler.train.config.load import load_config
+from pksampler.train.errors import ConfigError
+from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead, sampled, shard_range
+from pksampler.train.modeling.bnneck import BNNeck
+from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
+
+C, D, N = 50, 8, 24
+
+
+class ThreadGroup:
+    """W ranks as threads: collectives meet at a barrier and combine every rank's tensor."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.barrier, self.slots = size, threading.Barrier(size), [None] * size
+
+    def _exchange(self, rank: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[rank] = tensor.detach().clone()
+        self.barrier.wait()
+        every = list(self.slots)
+        self.barrier.wait()
+        return every
+
+    def member(self, rank: int) -> "Member":
+        return Member(self, rank)
+
+
+class Member:
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.group._exchange(self.rank, tensor)).sum(dim=0)
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.group._exchange(self.rank, tensor))
+
+
+def run_ranks(world: int, work) -> list:
+    """``work(collectives)`` on ``world`` threaded ranks; their results in rank order (an error re-raised)."""
+    group, results, errors = ThreadGroup(world), [None] * world, []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = work(group.member(rank))
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller
+            errors.append(error)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return (F.normalize(torch.randn(N, D, generator=generator), dim=1),
+            torch.randint(0, C, (N,), generator=generator))
+
+
+def head_step(collectives, spec: HeadSpec, embeddings: torch.Tensor, labels: torch.Tensor):
+    head = ShardedMarginHead(C, D, spec, collectives, seed=1)
+    leaf = embeddings.clone().requires_grad_(True)
+    loss = head(leaf, labels)
+    loss.backward()
+    return float(loss.detach()), leaf.grad, head
+
+
+@pytest.mark.parametrize("name", ["softmax", "cosface", "arcface"])
+def test_with_every_class_sampled_it_is_the_full_softmax_of_a_linear_head(name):
+    spec = HeadSpec(name=name, scale=16.0, margin=0.2, negatives=10 * C)
+    embeddings, labels = inputs()
+    (loss, grad, head), = run_ranks(1, lambda group: head_step(group, spec, embeddings, labels))
+    rows_grad = head.pending[1].grad[:, 0]
+    # the reference: one nn.Linear holding every class centre, cross-entropy over all classes
+    linear = torch.nn.Linear(D, C, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(head.rows[:, 0])
+    leaf = embeddings.clone().requires_grad_(True)
+    weight = F.normalize(linear.weight, dim=1)
+    cosine = F.normalize(leaf, dim=1) @ weight.T
+    target = cosine.gather(1, labels[:, None]).squeeze(1)
+    margin = {"softmax": target, "cosface": target - 0.2,
+              "arcface": torch.cos(torch.acos(target.clamp(-1 + 1e-7, 1 - 1e-7)) + 0.2)}[name]
+    logits = (16.0 * cosine).scatter(1, labels[:, None], 16.0 * margin[:, None])
+    reference = F.cross_entropy(logits, labels)
+    reference.backward()
+    assert abs(loss - float(reference.detach())) <= 1e-6 * abs(float(reference.detach()))
+    assert torch.allclose(grad, leaf.grad, rtol=1e-6, atol=1e-7)
+    assert torch.allclose(rows_grad, linear.weight.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_sampled_negatives_are_the_same_set_at_every_world_size():
+    embeddings, labels = inputs()
+    spec = HeadSpec(negatives=12)
+    picked = {}
+    for world in (1, 2, 3):
+        heads = [ShardedMarginHead(C, D, spec, Member(ThreadGroup(world), rank)) for rank in range(world)]
+        for head in heads:
+            head.step = 7
+        picked[world] = np.concatenate([h.selection(labels).numpy() + h.lo for h in heads])
+    assert np.array_equal(picked[1], picked[2]) and np.array_equal(picked[1], picked[3])
+    assert set(labels.tolist()) <= set(picked[1].tolist())  # the positives are always in
+    others = sampled(np.arange(C), seed=0, step=8, rate=0.24)
+    assert not np.array_equal(others, sampled(np.arange(C), seed=0, step=7, rate=0.24))  # another step, another set
+
+
+def test_loss_and_embedding_gradient_are_the_same_at_one_two_and_three_ranks():
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.3, negatives=20, subcentres=2)
+    embeddings, labels = inputs(3)
+    traces = {world: run_ranks(world, lambda group: head_step(group, spec, embeddings, labels)) for world in (1, 2, 3)}
+    loss, grad, _ = traces[1][0]
+    for world in (2, 3):
+        for rank_loss, rank_grad, _ in traces[world]:
+            assert abs(rank_loss - loss) <= 1e-6 * abs(loss)
+            assert float((rank_grad - grad).norm() / grad.norm()) <= 1e-6  # fp32 sums in another order
+
+
+def train_trace(world: int, steps: range, state: dict | None = None, *, weight_decay: float = 0.01):
+    """Losses of a few head-only steps at ``world`` ranks (optionally from a saved state); the state after."""
+    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=15)
+
+    def work(group):
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=weight_decay)
+        if state is not None:
+            rows.load_state_dict(state)
+        losses = []
+        for step in steps:
+            embeddings, labels = inputs(100 + step)
+            loss = head(embeddings.clone().requires_grad_(True), labels)
+            loss.backward()
+            rows.step(lr=0.5)
+            losses.append(float(loss.detach()))
+        return losses, rows.state_dict()
+
+    results = run_ranks(world, work)
+    return results[0][0], results[0][1]
+
+
+def test_a_checkpoint_resumes_on_another_world_size_with_the_same_loss_trace():
+    straight, _ = train_trace(1, range(8))
+    first, saved = train_trace(2, range(4))
+    torch.save(saved, "/dev/null")  # plain tensors and numbers
+    second, saved = train_trace(3, range(4, 6), saved)
+    third, _ = train_trace(1, range(6, 8), saved)
+    resumed = first + second + third
+    assert np.allclose(resumed, straight, rtol=1e-6, atol=0), (resumed, straight)
+    assert len(set(np.round(straight, 4))) > 1  # the head learns: the trace moves
+
+
+def test_the_checkpoint_loads_with_weights_only(tmp_path):
+    _, saved = train_trace(2, range(2))
+    torch.save(saved, tmp_path / "head.pt")
+    loaded = torch.load(tmp_path / "head.pt", weights_only=True)
+    assert loaded["rows"].shape == (C, 1, D) and loaded["momentum"].shape == (C, 1, D)
+
+
+def test_only_the_sampled_rows_and_their_momentum_change_and_lazy_decay_is_exact():
+    spec = HeadSpec(name="softmax", scale=8.0, negatives=5)
+    (result,) = run_ranks(1, lambda group: _sparse_steps(group, spec))
+    untouched_ok, decayed, eager = result
+    assert untouched_ok
+    assert torch.allclose(decayed, eager, rtol=1e-6, atol=1e-7)
+
+
+def _sparse_steps(group, spec):
+    head = ShardedMarginHead(C, D, spec, group, seed=2)
+    rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.1)
+    eager_rows, eager_momentum = head.rows.clone(), torch.zeros_like(head.rows)
+    untouched_ok = True
+    for step, lr in enumerate((0.5, 0.3, 0.2, 0.1)):
+        embeddings, labels = inputs(step)
+        before, momentum_before = head.rows.clone(), rows.buffer.clone()
+        head(embeddings, labels).backward()
+        chosen, grad = head.pending[0], head.pending[1].grad.clone()
+        rows.step(lr)
+        mask = torch.zeros(C, dtype=torch.bool)
+        mask[chosen] = True
+        untouched_ok &= bool(torch.equal(head.rows[~mask], before[~mask]))
+        untouched_ok &= bool(torch.equal(rows.buffer[~mask], momentum_before[~mask]))
+        # the eager reference: decoupled decay on every row each step, momentum on the sampled rows
+        eager_rows *= 1 - lr * 0.1
+        eager_momentum[chosen] = eager_momentum[chosen] * 0.9 + grad
+        eager_rows[chosen] -= lr * eager_momentum[chosen]
+    rows.settle()
+    return untouched_ok, head.rows.clone(), eager_rows
+
+
+def test_per_rank_memory_is_the_rows_share():
+    spec = HeadSpec(subcentres=2)
+    for world in (1, 2, 4):
+        heads = [ShardedMarginHead(1003, 16, spec, Member(ThreadGroup(world), rank)) for rank in range(world)]
+        assert [h.memory_bytes() for h in heads] == [(shard_range(1003, world, r)[1] - shard_range(1003, world, r)[0])
+                                                     * 2 * 16 * 4 for r in range(world)]
+        assert max(h.memory_bytes() for h in heads) == -(-1003 // world) * 2 * 16 * 4
+    assert [shard_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+
+
+def test_head_config_keys_are_checked():
+    config = load_config(None, ["head.name=arcface", "head.negatives=100"], environ={})
+    assert config.head.name == "arcface" and config.head.negatives == 100
+    assert load_config(None, [], environ={}).head.name is None  # off by default
+    with pytest.raises(ConfigError, match=r"head.name: must be one of \['arcface', 'cosface', 'softmax'\], got 'arc'"):
+        load_config(None, ["head.name=arc"], environ={})
+    with pytest.raises(ConfigError, match=r"head.subcentres: must be an integer in \[1, 16\], got 0"):
+        load_config(None, ["head.subcentres=0"], environ={})
+
+
+# --- BNNeck: the head reads batch-normalised embeddings, the pair loss the embeddings ----------------------------
+class _CentreDistance(torch.nn.Module):
+    """A pair loss of one learnable number (so the wrapped pair loss has parameters and state of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.margin = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        same = labels[:, None] == labels[None, :]
+        distance = torch.cdist(embeddings, embeddings)
+        return (distance[same].mean() - distance[~same].mean() + self.margin).relu()
+
+
+def neck_step(world: int, spec: HeadSpec, embeddings: torch.Tensor, labels: torch.Tensor):
+    """One trainer-like step per rank: loss × W backward on the gathered batch; loss, embedding and neck gradients."""
+
+    def work(group):
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head, grad_divisor=world), weight=0.7,
+                             neck=BNNeck(D, grad_divisor=world))
+        leaf = embeddings.clone().requires_grad_(True)
+        loss = loss_fn(leaf, labels)
+        (loss * world).backward()
+        neck = loss_fn.neck.norm
+        return float(loss.detach()), leaf.grad / world, neck.weight.grad.clone(), neck.bias.grad, loss_fn
+
+    return run_ranks(world, work)
+
+
+def test_bnneck_the_head_reads_the_normalised_embeddings_and_the_pair_loss_the_embeddings():
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
+    embeddings, labels = inputs(5)
+    (loss, _, _, bias_grad, loss_fn), = neck_step(1, spec, embeddings, labels)
+    normalised = (embeddings - embeddings.mean(0)) / torch.sqrt(embeddings.var(0, unbiased=False) + 1e-5)
+    head = ShardedMarginHead(C, D, spec, run_ranks(1, lambda group: group)[0], seed=1)
+    with torch.no_grad():
+        expected = float(_CentreDistance()(embeddings, labels) + 0.7 * head(normalised, labels))
+        without = float(_CentreDistance()(embeddings, labels) + 0.7 * head(embeddings, labels))
+    assert abs(loss - expected) <= 1e-6 * abs(expected)
+    assert abs(without - expected) > 1e-3  # the neck changes what the head sees
+    assert bias_grad is None and [p.shape for p in loss_fn.parameters()] == [(), (D,)]  # bias frozen, scale trained
+
+
+def test_bnneck_loss_and_gradients_are_the_same_at_one_two_and_three_ranks():
+    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=20, subcentres=2)
+    embeddings, labels = inputs(6)
+    (loss, grad, neck_grad, _, _), = neck_step(1, spec, embeddings, labels)
+    assert float(neck_grad.norm()) > 0
+    for world in (2, 3):
+        for rank_loss, rank_grad, rank_neck_grad, _, _ in neck_step(world, spec, embeddings, labels):
+            assert abs(rank_loss - loss) <= 1e-6 * abs(loss)
+            assert float((rank_grad - grad).norm() / grad.norm()) <= 1e-6
+            # every rank holds the whole gradient: Horovod's average and torchrun's none leave it as at W = 1
+            assert float((rank_neck_grad - neck_grad).norm() / neck_grad.norm()) <= 1e-6
+
+
+def test_bnneck_state_is_saved_loads_with_weights_only_and_must_match(tmp_path):
+    spec = HeadSpec(name="softmax", scale=16.0, negatives=20)
+    embeddings, labels = inputs(7)
+
+    def save(group):
+        (_, _, _, _, loss_fn), = neck_step(1, spec, embeddings, labels)
+        with torch.no_grad():
+            loss_fn.neck.norm.weight.mul_(3.0)
+        return loss_fn.state_dict()
+
+    torch.save(run_ranks(1, save)[0], tmp_path / "loss.pt")
+    saved = torch.load(tmp_path / "loss.pt", weights_only=True)
+
+    def load(group, *, neck: bool):
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head), weight=1.0, neck=BNNeck(D) if neck else None)
+        loss_fn.load_state_dict(saved)
+        return loss_fn
+
+    loaded = run_ranks(3, lambda group: load(group, neck=True))
+    assert all(torch.equal(l.neck.norm.weight, torch.full((D,), 3.0)) for l in loaded)
+    with pytest.raises(ValueError, match="the checkpoint's head has BNNeck, this run's head.bnneck is False"):
+        run_ranks(1, lambda group: load(group, neck=False))
+
+
+def test_bnneck_config_key_is_checked():
+    assert load_config(None, ["head.name=arcface", "head.bnneck=true"], environ={}).head.bnneck is True
+    assert load_config(None, [], environ={}).head.bnneck is False
+    with pytest.raises(ConfigError, match=r"head.bnneck: expected true or false, got 1"):
+        load_config(None, ["head.bnneck=1"], environ={})
+    with pytest.raises(ValueError, match="needs at least 2 embeddings, got 1"):
+        BNNeck(D)(torch.ones(1, D))
+
+
+def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
+    """12 steps of pair loss + head through the neck: rows (momentum, lazy decay, a settle at step 6) and the neck's
+    scale (torch SGD) trained at W = 1, 2, 3, each rank's loss scaled by W as the trainer does."""
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=8, subcentres=2)
+
+    def work(group):
+        world = group.size
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01, grad_divisor=world)
+        loss_fn = HeadedLoss(_CentreDistance(), head, rows, weight=1.0, neck=BNNeck(D, grad_divisor=world))
+        optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.5, momentum=0.9)
+        trace = []
+        for step in range(12):
+            embeddings, labels = inputs(200 + step)
+            loss = loss_fn(embeddings, labels)
+            (loss * world).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            rows.step(0.5)
+            trace.append(float(loss.detach()))
+            if step == 5:
+                loss_fn.state_dict()  # a checkpoint settles every row's decay
+        return np.array(trace), loss_fn.neck.norm.weight.detach().clone()
+
+    (reference, scale), = run_ranks(1, work)
+    assert float((scale - 1).abs().max()) > 1e-3  # the neck's scale trains
+    for world in (2, 3):
+        for trace, rank_scale in run_ranks(world, work):
+            assert np.allclose(trace, reference, rtol=1e-6, atol=0), (world, trace, reference)
+            assert torch.allclose(rank_scale, scale, rtol=1e-6, atol=1e-7)

@@ -1,0 +1,320 @@
+"""The run configuration's schema: frozen dataclasses whose fields carry their own rules.
+
+This module answers "what is a valid config". Each field says, in its
+metadata:
+
+* ``rule``: what a value must be (see :mod:`pksampler.train.config.rules`);
+  :func:`validate` walks the tree once and raises :class:`ConfigError`
+  naming the dotted key, the value and the rule;
+* ``resumable``: a resumed run may change it (it takes effect from the
+  resumed step); every other key must match the checkpoint's config;
+* ``local``: ranks may disagree on it (per-host resources); every other key
+  must be the same on every rank.
+
+:func:`resumable_keys` and :func:`local_keys` read those flags for the
+checks in :mod:`pksampler.train.config.agreement`.
+Choice lists are not typed here: they come from the registries that
+implement them (data sources, samplers, norms, losses), so a new entry in a
+registry is a new valid value.
+
+The batch is configured globally: ``sampler.classes_per_step`` (G) classes
+of ``sampler.samples_per_class`` (K) images per global step; each of the W
+ranks takes P = G / W classes (ceil or floor of it when W does not divide
+G). The same file trains the same global batches at every world size up to G.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from pksampler.train.config import choices, rules
+from pksampler.train.errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "HeadConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "RunConfig",
+    "SamplerConfig",
+    "TrainConfig",
+    "local_keys",
+    "resumable_keys",
+    "validate",
+]
+
+
+def _rule(default: Any, rule: rules.Rule | None, *, resumable: bool = False, local: bool = False) -> Any:
+    """A field with its rule and its resume/agreement flags (see the module docstring)."""
+    metadata = {"rule": rule, "resumable": resumable, "local": local}
+    if callable(default) and not isinstance(default, (int, float, str, bool)):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the images come from and how they are split and augmented.
+
+    ``name``: ``synthetic`` (built-in SyntheticProducts, rendered in memory;
+    ``args`` are its arguments), ``folder`` (ImageFolderDataset under
+    ``root``), ``list`` (ListFileDataset; ``args.list_file`` relative to
+    ``root``) or ``shards`` (ShardedDataset: packed tar shards under ``root``).
+    """
+
+    name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
+    args: Mapping[str, Any] = field(default_factory=lambda: {"num_classes": 160, "images_per_class": 16, "image_size": 48})
+    root: str | None = _rule(None, None, resumable=True)
+    test_fraction: float = _rule(0.3, rules.open_interval(0.0, 1.0))
+    image_size: int = _rule(40, rules.positive_int)
+    workers: int = _rule(1, rules.int_at_least(0), resumable=True, local=True)
+    split_seed: int = _rule(0, rules.seed)
+    max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0), resumable=True)
+    # training augmentation strengths (BatchAugment): scale [0.6, 1], ratio [3/4, 4/3], flip 0.5, jitter 0.3,
+    # rotation 0 unless given; e.g. {flip: 0} for text and characters, whose mirror image is another glyph
+    augment: Mapping[str, Any] = _rule(dict, rules.augment)
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    """The global composition of a step.
+
+    ``balanced``: ``classes_per_step`` (G, over all ranks) × ``samples_per_class``
+    (K); ``args`` are the other keyword arguments of
+    DistributedBalancedBatchSampler (``small_classes``, ``class_weighting``).
+    ``triplet``: ``triplets_per_step`` (over all ranks); ``args``: ``negatives``,
+    ``hard_classes``, ``hard_fraction``.
+    """
+
+    name: str = _rule("balanced", rules.choice(lambda: _registry("sampler")))
+    classes_per_step: int = _rule(16, rules.positive_int)
+    samples_per_class: int = _rule(4, rules.positive_int)
+    triplets_per_step: int = _rule(24, rules.positive_int)
+    args: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A backbone with an L2-normalised embedding head (``pksampler.train.modeling.model``).
+
+    ``backbone``: ``resnet`` (the compact demo network; ``width`` and
+    ``depth`` and ``stem_stride`` apply to it alone), ``resnet18/34/50/101`` (torchvision's
+    names), ``vit_small_patch16`` / ``vit_base_patch16`` (timm's names) or
+    ``torchvision:<name>``. ``pretrained``: a ``.pth`` or ``.safetensors``
+    file of backbone weights. ``norm``: ``auto`` (the backbone's own), ``group``,
+    ``batch``, ``sync_batch`` or ``none``. ``freeze_norm``: the backbone's BatchNorm
+    statistics and affine parameters stay as loaded (null: when ``pretrained`` is given). ``freeze_backbone_steps``:
+    the backbone is not updated for the first N optimizer steps.
+    """
+
+    backbone: str = _rule("resnet", rules.choice(lambda: _registry("backbone"), prefixes=("torchvision:",)))
+    width: int = _rule(32, rules.positive_int)
+    depth: tuple[int, ...] = _rule((1, 1, 1, 1), rules.positive_int_list)
+    # the demo network's first convolution: 1 keeps full resolution, 2 halves it (a quarter of the cost
+    # per pixel, so larger images for the same compute)
+    stem_stride: int = _rule(1, rules.int_between(1, 4))
+    embedding_dim: int = _rule(64, rules.positive_int)
+    # auto: the backbone's own (BatchNorm for the ResNets, group norm for the demo network, LayerNorm inside a ViT)
+    norm: str = _rule("auto", rules.choice(lambda: _registry("norm")))
+    pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
+    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+    pretrained: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)  # read on a fresh start only
+    # null: frozen exactly when `pretrained` is given and the backbone has BatchNorm (detectron2's default)
+    freeze_norm: bool | None = _rule(None, rules.optional(rules.boolean))
+    freeze_backbone_steps: int = _rule(0, rules.int_at_least(0))
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """A built-in loss (``batch_hard``, ``multi_similarity``, ``contrastive``,
+    ``triplet``) or a pytorch-metric-learning one (``pml.<LossName>``), with
+    ``args``; ``miner`` (``{name: pml.<MinerName>, args: {}}``) and
+    ``memory`` (cross-batch memory: ``{size, warmup_steps}``) are optional."""
+
+    name: str = _rule("multi_similarity", rules.choice(lambda: _registry("loss"), prefixes=("pml.",)))
+    args: Mapping[str, Any] = field(default_factory=dict)
+    miner: Mapping[str, Any] | None = None
+    memory: Mapping[str, Any] | None = _rule(None, rules.optional(rules.memory))
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """A margin-softmax classification head beside the pair loss, its rows sharded over the ranks.
+
+    ``name``: null (no head), ``arcface`` (cos(θ + m)), ``cosface`` (cos θ − m)
+    or ``softmax`` (normalised softmax, no margin). Each step samples its
+    positives and about ``negatives`` other classes by a hash of (seed, step,
+    class), the same at every world size; the total loss is the pair loss +
+    ``weight`` × the head's; ``bnneck`` puts a batch normalisation (zero
+    frozen bias) between the pair loss's embeddings and the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
+    ``optim.weight_decay``) at the head group's learning rate.
+    """
+
+    name: str | None = _rule(None, rules.optional(rules.choice(lambda: _registry("head"))))
+    scale: float = _rule(30.0, rules.positive_finite)
+    margin: float = _rule(0.3, rules.closed_interval(0.0, 1.5))
+    # expected sampled negative classes per step (every class when >= the number of classes)
+    negatives: int = _rule(8192, rules.positive_int)
+    subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
+    weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
+    # BNNeck (BoT): the head reads batch-normalised embeddings; the pair loss and retrieval read them before it
+    bnneck: bool = _rule(False, rules.boolean)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW or SGD. ``lr`` is for ``base_batch`` images per global step; the
+    effective rate scales linearly with the global batch, after a linear
+    warm-up, then cosine decay. ``backbone_lr_scale``: the backbone's
+    parameters learn at ``lr * backbone_lr_scale`` (the head at ``lr``)."""
+
+    name: str = _rule("adamw", rules.choice(lambda: _registry("optimizer")))
+    lr: float = _rule(0.004, rules.positive_finite)
+    base_batch: int = _rule(64, rules.positive_int)
+    weight_decay: float = _rule(0.0005, rules.non_negative_finite)
+    momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
+    warmup_steps: int = _rule(30, rules.int_at_least(0))
+    backbone_lr_scale: float = _rule(1.0, rules.non_negative_finite)  # backbone group at lr * scale
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = _rule(8, rules.positive_int, resumable=True)
+    # The run's length in global steps instead of epochs: epochs = round(steps / steps per epoch), at least
+    # one, so a file costs about the same on any dataset size. Setting train.epochs (--set, EPOCHS) clears it.
+    steps: int | None = _rule(None, rules.optional(rules.positive_int), resumable=True)
+    device: str = _rule("auto", rules.choice(lambda: ("auto", "cpu", "cuda")), resumable=True)
+    precision: str = _rule("auto", rules.choice(lambda: ("auto", "fp32", "bf16", "fp16")), resumable=True)
+    gather_embeddings: bool = True
+    fp16_allreduce: bool = False
+    backward_passes_per_step: int = _rule(1, rules.positive_int)
+    # Gradient-cached steps (train/engine/cached_step.py): images per forward pass on a rank; the loss still
+    # sees the whole global batch and the gradients are exact. null: one forward over the rank's batch.
+    chunk_size: int | None = _rule(None, rules.optional(rules.positive_int))
+    eval_every: int = _rule(2, rules.positive_int, resumable=True)
+    checkpoint_every: int = _rule(50, rules.int_at_least(0), resumable=True)
+    resume: bool = _rule(True, None, resumable=True)
+    threads: int = _rule(1, rules.int_between(1, 4096), resumable=True, local=True)
+    max_steps: int | None = _rule(None, rules.optional(rules.int_at_least(0)), resumable=True)
+    gallery_queries: int = _rule(8, rules.positive_int, resumable=True)
+    progress_every_seconds: float = _rule(30.0, rules.positive_finite, resumable=True)
+    tensorboard: bool | None = _rule(None, None, resumable=True)  # None: on when the tensorboard package is installed
+    # torchrun: seconds a collective waits for the other ranks before the job ends naming the rank that
+    # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
+    collective_timeout: float = _rule(300.0, rules.closed_interval(1.0, 7 * 86400.0), resumable=True)
+    # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
+    # (Horovod tensor fusion off, deterministic torch kernels; see train/runtime/device.py).
+    deterministic: bool = _rule(False, rules.boolean, resumable=True)
+    # Horovod elastic: in-memory commit every N global steps (train/engine/elastic.py)
+    commit_every: int = _rule(10, rules.positive_int, resumable=True)
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")), resumable=True)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    seed: int = _rule(0, rules.seed)
+    workspace: str = _rule("workspace/demo", None, resumable=True)
+    data: DataConfig = field(default_factory=DataConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    head: HeadConfig = field(default_factory=HeadConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _registry(kind: str) -> tuple[str, ...]:
+    """Valid names for ``kind``, given by the layer that implements them (:mod:`.choices`)."""
+    return choices.names(kind)
+
+
+def validate(config: Any, prefix: str = "") -> None:
+    """Apply every field's rule, depth first; raise ConfigError naming the first bad key."""
+    for spec in dataclasses.fields(config):
+        value = getattr(config, spec.name)
+        path = f"{prefix}.{spec.name}" if prefix else spec.name
+        if dataclasses.is_dataclass(value):
+            validate(value, path)
+            continue
+        rule = spec.metadata.get("rule")
+        if rule is not None:
+            rule(path, value)
+    if prefix == "":
+        _validate_combinations(config)
+
+
+def _validate_combinations(config: RunConfig) -> None:
+    """Rules that relate two keys."""
+    sampler, loss = config.sampler, config.loss
+    if config.data.root and not config.data.root.startswith("s3://"):
+        root, workspace = Path(config.data.root).resolve(), Path(config.workspace).resolve()
+        if workspace == root or root in workspace.parents:
+            raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "
+                              "location is read-only (a scan would also see the run's own files): choose another WORKSPACE")
+    _check_effective_lr(config)
+    if sampler.name == "triplet" and loss.name != "triplet":
+        raise ConfigError(f"loss.name: the triplet sampler needs loss 'triplet', got {loss.name!r}")
+    if sampler.name == "balanced" and loss.name == "triplet":
+        raise ConfigError("loss.name: 'triplet' needs sampler.name 'triplet'")
+    for key in ("classes_per_batch", "num_replicas", "rank", "seed", "samples_per_class", "triplets_per_batch"):
+        if key in sampler.args:
+            raise ConfigError(
+                f"sampler.args.{key}: set by the trainer; the batch is configured globally with "
+                "sampler.classes_per_step (G) and sampler.samples_per_class (K), or sampler.triplets_per_step, "
+                "and each rank takes G / world_size classes"
+            )
+
+
+def _flagged(config: Any, flag: str, prefix: str = "") -> frozenset[str]:
+    keys: set[str] = set()
+    for spec in dataclasses.fields(config):
+        path = f"{prefix}.{spec.name}" if prefix else spec.name
+        value = getattr(config, spec.name)
+        if dataclasses.is_dataclass(value):
+            keys |= _flagged(value, flag, path)
+        elif spec.metadata.get(flag, False):
+            keys.add(path)
+    return frozenset(keys)
+
+
+def resumable_keys() -> frozenset[str]:
+    """Dotted keys a resumed run may change (fields marked ``resumable``)."""
+    return _flagged(RunConfig(), "resumable")
+
+
+def local_keys() -> frozenset[str]:
+    """Dotted keys ranks may disagree on (fields marked ``local``); all others must agree."""
+    return _flagged(RunConfig(), "local")
+
+
+def _check_effective_lr(config: RunConfig) -> None:
+    """The rate the optimizer gets, ``optim.lr x images per step / optim.base_batch``, must be a finite number."""
+    sampler, optim = config.sampler, config.optim
+    images = 3 * sampler.triplets_per_step if sampler.name == "triplet" else sampler.classes_per_step * sampler.samples_per_class
+    effective = optim.lr * images / optim.base_batch
+    if not math.isfinite(effective):
+        raise ConfigError(f"optim.lr: {optim.lr!r} x {images} images per step / optim.base_batch={optim.base_batch} "
+                          f"gives the learning rate {effective}, which is not a finite number; lower optim.lr")

@@ -1,0 +1,292 @@
+"""Hooks: everything the training loop does besides the step.
+
+The loop (:class:`pksampler.train.engine.trainer.Trainer`) only runs steps and calls
+``before_train``, ``before_epoch``, ``after_step``, ``after_epoch`` and
+``after_train`` on its hooks, in order (detectron2's ``HookBase`` shape). A
+new feature is a new hook. Hooks get the objects they use when they are
+built; they read the loop's progress from ``trainer.state`` and its events
+from ``trainer.storage`` (:mod:`.events`): the loop puts each step's scalars
+there, :class:`EvaluationHook` and :class:`BadImageHook` put their records,
+and the writers (:class:`MetricsLogHook`, :class:`TensorBoardHook`,
+:class:`ProgressHook`, :class:`FinalArtifactsHook`) read it.
+
+This module imports :class:`HookBase` from the loop, never the reverse.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from pksampler.files import atomic_write_text
+
+from pksampler.train.engine.checkpoint import count_non_finite
+from pksampler.train.engine.events import EventStorage
+from pksampler.train.losses.mining import mine_class_neighbours
+from pksampler.train.errors import ConfigError
+from pksampler.train.engine.trainer import HookBase, TrainingDiverged
+from pksampler.train.runtime.workspace import EventLog
+
+__all__ = [
+    "BadImageHook",
+    "CheckpointHook",
+    "EvaluationHook",
+    "FinalArtifactsHook",
+    "HardNegativeHook",
+    "HookBase",
+    "MetricsLogHook",
+    "ProgressHook",
+    "TensorBoardHook",
+]
+
+
+class MetricsLogHook(HookBase):
+    """``metrics.jsonl`` (rank 0): one line per optimizer step, and each record hooks put in the storage.
+
+    Records are written after each epoch and when training ends (also by an
+    exception), so a hook that records and then stops the run is still logged.
+    Records already in the storage when training starts (a resumed run's
+    history, read back from this file) are not written again.
+    """
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self._cursor = 0
+
+    def before_train(self) -> None:
+        self._cursor = len(self.trainer.storage.records())
+
+    def after_step(self) -> None:
+        record = self.trainer.storage.latest_step
+        if record is not None:
+            self.log.write(**record)
+
+    def after_epoch(self) -> None:
+        self._write_records()
+
+    def after_train(self) -> None:
+        self._write_records()
+
+    def _write_records(self) -> None:
+        records, self._cursor = self.trainer.storage.records_since(self._cursor)
+        for record in records:
+            self.log.write(**record)
+
+
+class ProgressHook(HookBase):
+    """Rank 0's progress display (a bar on a terminal, plain periodic lines in a log), fed by the storage."""
+
+    def __init__(self, progress: Any) -> None:
+        self.progress = progress
+
+    def before_epoch(self) -> None:
+        self.progress.start_epoch(self.trainer.state.epoch, step=self.trainer.state.consumed)
+
+    def after_step(self) -> None:
+        record = self.trainer.storage.latest_step
+        self.progress.update(record["step"], loss=record.get("loss"), images_per_sec=record.get("images_per_sec"),
+                             lr=record.get("lr"))
+
+    def after_epoch(self) -> None:
+        self.progress.end_epoch()
+
+    def after_train(self) -> None:
+        self.progress.close()
+
+
+class CheckpointHook(HookBase):
+    """``last.pt`` every ``every`` steps, at ``max_steps`` (then stop) and after each epoch.
+
+    A checkpoint is :meth:`Trainer.state_dict` plus ``metadata`` (format,
+    config), handed to ``write(name, checkpoint)``; only the main rank
+    (``is_main``) builds and writes it. Registered before evaluation, the
+    epoch's checkpoint exists before evaluation runs, so a failure there
+    never costs the epoch's training. ``write`` may return before the file
+    is on disk (:class:`~.checkpoint.CheckpointWriter`); ``finish``, called
+    after training, waits for the last write and raises a failed one's error.
+    """
+
+    def __init__(self, write: Callable[[str, dict[str, Any]], None], *, every: int, max_steps: int | None,
+                 metadata: dict[str, Any] | None = None, is_main: bool = True,
+                 finish: Callable[[], None] | None = None) -> None:
+        self.write, self.every, self.max_steps = write, every, max_steps
+        self.metadata, self.is_main, self.finish = dict(metadata or {}), is_main, finish
+
+    def save(self, name: str) -> None:
+        """Write the trainer's state as ``name`` (the main rank; a no-op elsewhere).
+
+        Parameters that are NaN or infinite are never written: every rank holds
+        the same ones, so every rank raises :class:`TrainingDiverged` together.
+        """
+        bad = count_non_finite(self.trainer.parts.model.state_dict())
+        if bad:
+            raise TrainingDiverged(f"the model holds {bad} NaN or infinite parameter value(s) at global step "
+                                   f"{self.trainer.state.global_step}; {name} was not written (the last good one is "
+                                   "kept): lower optim.lr, raise optim.warmup_steps or check the data")
+        state = self.trainer.state_dict()  # on every rank: a sharded head gathers its rows here
+        if self.is_main:
+            self.write(name, {**self.metadata, **state})
+
+    def before_train(self) -> None:
+        if self.max_steps is not None and self.trainer.state.global_step >= self.max_steps:
+            self.save("last.pt")  # e.g. max_steps=0: the initial parameters
+            self.trainer.state.stop = True
+
+    def after_step(self) -> None:
+        step = self.trainer.state.global_step
+        at_limit = self.max_steps is not None and step >= self.max_steps
+        if at_limit or (self.every and step % self.every == 0):
+            self.save("last.pt")
+        if at_limit:
+            self.trainer.state.stop = True
+
+    def after_epoch(self) -> None:
+        self.save("last.pt")
+
+    def after_train(self) -> None:
+        if self.finish is not None:
+            self.finish()
+
+
+class EvaluationHook(HookBase):
+    """Held-out retrieval every ``every`` epochs and after the last; keeps ``best.pt`` by Recall@1.
+
+    ``evaluate(epoch)`` runs on every rank and returns the metrics on the
+    main rank; they go to the storage as an ``eval`` record, with the result
+    gallery (``gallery()``, a PNG path or None) as an image.
+    """
+
+    def __init__(self, evaluate: Callable[[int], dict[str, float]], save: Callable[[str], None], *,
+                 every: int, epochs: int, is_main: bool, gallery: Callable[[], Path | None] = lambda: None) -> None:
+        self.evaluate, self.save, self.gallery = evaluate, save, gallery
+        self.every, self.epochs, self.is_main = every, epochs, is_main
+
+    def after_epoch(self) -> None:
+        state, storage = self.trainer.state, self.trainer.storage
+        if state.epoch % self.every and state.epoch != self.epochs:
+            return
+        metrics = self.evaluate(state.epoch)
+        if not self.is_main:
+            return
+        state.final_metrics = metrics
+        storage.put_record("eval", epoch=state.epoch, global_step=state.global_step, **metrics)
+        gallery = self.gallery()
+        if gallery is not None:
+            storage.put_image("eval/gallery", state.global_step, gallery)
+        if metrics["recall_at_1"] > state.best:
+            state.best = metrics["recall_at_1"]
+            self.save("best.pt")
+
+
+class TensorBoardHook(HookBase):
+    """TensorBoard (rank 0): each step's scalars, and every new evaluation record and image after an epoch."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self._records = self._images = 0
+
+    def before_train(self) -> None:
+        storage = self.trainer.storage
+        self._records, self._images = len(storage.records()), storage.images_since(0)[1]
+
+    def after_step(self) -> None:
+        record = self.trainer.storage.latest_step
+        self.writer.scalars(record["global_step"], loss=record.get("loss"), lr=record.get("lr"),
+                            images_per_sec=record.get("images_per_sec"))
+
+    def after_epoch(self) -> None:
+        storage = self.trainer.storage
+        records, self._records = storage.records_since(self._records)
+        images, self._images = storage.images_since(self._images)
+        for record in records:
+            if record["type"] == "eval":
+                metrics = {k: v for k, v in record.items() if k not in ("type", "epoch", "global_step")}
+                self.writer.metrics(record["global_step"], metrics, epoch=record["epoch"])
+        for tag, step, path in images:
+            self.writer.image(tag, step, path)
+        if records or images:
+            self.writer.flush()
+
+    def after_train(self) -> None:
+        self.writer.close()
+
+
+class BadImageHook(HookBase):
+    """After each epoch: bad images replaced on all ranks, logged; the run stops past ``max_fraction``.
+
+    Each rank's dataset counts the images it could not decode (replaced by
+    another member of the class, so batches keep their shape) and the images
+    it loaded; the counts are summed over ranks, so every rank takes the same
+    decision.
+    """
+
+    def __init__(self, dataset: Any, backend: Any, *, max_fraction: float, is_main: bool) -> None:
+        self.dataset, self.backend, self.max_fraction = dataset, backend, max_fraction
+        self.is_main = is_main
+
+    def after_epoch(self) -> None:
+        local = np.array(self.dataset.bad_image_counts(), dtype=np.int64)
+        bad, total = (int(v) for v in self.backend.allgather_numpy(local).sum(axis=0))
+        if not bad:
+            return
+        epoch = self.trainer.state.epoch
+        if self.is_main:
+            self.trainer.storage.put_record("bad_images", epoch=epoch, global_step=self.trainer.state.global_step,
+                                            bad=bad, total=total)
+            print(f"[pksampler] epoch {epoch}: {bad} of {total} images could not be decoded and were replaced by "
+                  "other images of their class (paths above)", flush=True)
+        if bad > self.max_fraction * max(total, 1):
+            raise ConfigError(f"data.max_bad_fraction: {bad} of {total} images ({bad / total:.2%}) could not be "
+                              f"decoded in epoch {epoch}, more than the allowed {self.max_fraction:.2%}: the data "
+                              "looks broken (paths above); fix it or raise data.max_bad_fraction")
+
+
+class HardNegativeHook(HookBase):
+    """After each epoch but the last: mine a fresh class-neighbour table and give it to the triplet sampler.
+
+    1. ``embed()`` returns the current model's embeddings of the training
+       images and their labels, the same on every rank (a collective);
+    2. rank 0 mines the table (:func:`pksampler.train.losses.mining.mine_class_neighbours`:
+       faiss k-NN of class centroids);
+    3. the backend broadcasts it, and every rank hands it to
+       ``sampler.set_class_neighbours`` (it applies from the next epoch).
+
+    Registered before the checkpoint hook, so the epoch's checkpoint holds
+    the table the next epoch uses.
+    """
+
+    def __init__(self, embed: Callable[[], tuple[np.ndarray, np.ndarray]], sampler: Any, backend: Any, *,
+                 epochs: int) -> None:
+        self.embed, self.sampler, self.backend, self.epochs = embed, sampler, backend, epochs
+
+    def after_epoch(self) -> None:
+        if self.trainer.state.epoch >= self.epochs:
+            return
+        embeddings, labels = self.embed()
+        table = None
+        if self.backend.rank == 0:
+            table = mine_class_neighbours(embeddings, labels, self.sampler.index, self.sampler.hard_classes)
+        table = self.backend.broadcast_object(table, name="pksampler.class_neighbours")
+        if table is None:
+            raise RuntimeError("HardNegativeHook: no class-neighbour table was received from rank 0")
+        self.sampler.set_class_neighbours(table)
+
+
+class FinalArtifactsHook(HookBase):
+    """At the end of a finished run (rank 0): the curves PNG, drawn from the storage, and ``final_metrics.json``."""
+
+    def __init__(self, workspace: Path, save_curves: Callable[[Path, EventStorage], None], *, epochs: int) -> None:
+        self.workspace, self.save_curves, self.epochs = workspace, save_curves, epochs
+
+    def after_epoch(self) -> None:
+        state = self.trainer.state
+        if state.epoch == self.epochs:
+            self.save_curves(self.workspace / "curves.png", self.trainer.storage)
+            atomic_write_text(self.workspace / "final_metrics.json", json.dumps(_plain(state.final_metrics), indent=2))
+
+
+def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in metrics.items()}

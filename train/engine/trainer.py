@@ -1,0 +1,302 @@
+"""The training loop: a short loop that runs steps and calls hooks.
+
+:class:`Trainer` owns the step (forward under autocast, all-gather of the
+embeddings so the loss sees the global batch, backward, the optimizer step
+through the backend's allreduce) and calls its hooks around it; checkpoints,
+the metrics log, progress, evaluation and hard-negative refresh are hooks
+(:mod:`.hooks`), which import :class:`HookBase` from here. The loop and the
+hooks put their scalars in one :class:`~.events.EventStorage`. The trainer
+owns its state (:meth:`Trainer.state_dict`); checkpoints save what it gives.
+
+This module knows no config: :func:`pksampler.train.run_setup.train` (the
+application layer) assembles a run from a config, once, through the
+builders, and imports this loop, never the other way round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+from pksampler.train.engine.checkpoint import to_numpy
+from pksampler.train.runtime.device import loader_generator
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.engine.events import EventStorage
+
+__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "gather_batch"]
+
+
+class HookBase:
+    """A no-op at every point of the loop; subclasses override what they need.
+
+    The loop calls ``before_train``, ``before_epoch``, ``after_step``,
+    ``after_epoch`` and ``after_train`` on its hooks in the order they were
+    registered (detectron2's ``HookBase`` shape); ``self.trainer`` is set on
+    registration.
+    """
+
+    trainer: "Trainer"
+
+    def before_train(self) -> None:
+        pass
+
+    def before_epoch(self) -> None:
+        pass
+
+    def after_step(self) -> None:
+        pass
+
+    def after_epoch(self) -> None:
+        pass
+
+    def after_train(self) -> None:
+        pass
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss, the embeddings or the parameters became NaN or infinite; the message names the step.
+
+    The last good checkpoint stays: parameters that are not finite are never written.
+    """
+
+
+@dataclass
+class TrainState:
+    """Where the run is: read and written by the loop and its hooks, saved in checkpoints.
+
+    The per-step history is not here: it lives in the run's
+    :class:`~.events.EventStorage` (and ``metrics.jsonl``).
+    """
+
+    epoch: int = 0  # epochs finished
+    global_step: int = 0  # optimizer steps taken
+    consumed: int = 0  # batches finished in the current epoch
+    best: float = -1.0
+    loss: float = math.nan
+    lr: float = 0.0
+    images_per_sec: float = 0.0
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    stop: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for a checkpoint (``stop`` is a request to the running loop, not state)."""
+        return {k: v for k, v in asdict(self).items() if k != "stop"}
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> "TrainState":
+        """The inverse of :meth:`to_dict`; keys of older checkpoints (a loss history) are ignored."""
+        known = {f.name for f in fields(cls)} - {"stop"}
+        return cls(**{k: v for k, v in saved.items() if k in known})
+
+
+@dataclass
+class StepParts:
+    """What one optimizer step needs, built once by the application layer (or a test, from stub parts)."""
+
+    backend: Backend
+    model: torch.nn.Module  # the bare model (state dicts, evaluation)
+    train_model: torch.nn.Module  # the model wrapped for data parallelism
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    sampler: Any
+    train_set: Any
+    epochs: int
+    global_batch: int
+    workers: int = 0
+    gather: bool = True
+    passes: int = 1
+    scaler: torch.amp.GradScaler | None = None
+    seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
+    loader: Any = None  # a TrainLoader yielding (model inputs, labels) per epoch; None: a DataLoader per epoch
+    # optimizers of parameters no data-parallel wrapper may average (a row-sharded head): step(lr) after the
+    # dense optimizer, at the first parameter group's learning rate
+    row_optimizers: Sequence[Any] = ()
+
+
+def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather embeddings (keeping gradients) and labels in one collective.
+
+    Labels travel as an extra float64 column (exact below 2**53), so a step
+    pays for one negotiation instead of two.
+    """
+    packed = torch.cat([embeddings.double(), labels.to(embeddings.device).double()[:, None]], dim=1)
+    gathered = backend.allgather(packed)
+    return gathered[:, :-1].to(embeddings.dtype), gathered[:, -1].round().long()
+
+
+class Trainer:
+    """Runs epochs of steps and calls hooks; everything else is a hook."""
+
+    def __init__(self, parts: StepParts, hooks: Sequence[HookBase], state: TrainState | None = None, *,
+                 storage: EventStorage | None = None) -> None:
+        self.parts = parts
+        self.state = state if state is not None else TrainState()
+        self.storage = storage if storage is not None else EventStorage()
+        self._iteration_done = 0  # batches finished since the sampler's iterator was created (or loaded)
+        self._last_loss = torch.zeros(())
+        self._embeddings_finite = torch.ones((), dtype=torch.bool)
+        self.hooks: list[HookBase] = []
+        self.register(hooks)
+
+    def register(self, hooks: Iterable[HookBase]) -> None:
+        """Append ``hooks``; each is called after those registered before it."""
+        for hook in hooks:
+            hook.trainer = self
+            self.hooks.append(hook)
+
+    @property
+    def global_batch(self) -> int:
+        return self.parts.global_batch
+
+    def train(self) -> TrainState:
+        self._call("before_train")
+        try:
+            while self.state.epoch < self.parts.epochs and not self.state.stop:
+                self._call("before_epoch")
+                finished = self._run_epoch()
+                if not finished:
+                    break
+                self.state.epoch += 1
+                self.state.consumed = 0
+                self._call("after_epoch")
+        finally:
+            self._call("after_train")
+        return self.state
+
+    def _call(self, point: str) -> None:
+        for hook in self.hooks:
+            getattr(hook, point)()
+
+    def _run_epoch(self) -> bool:
+        """Steps until the epoch ends (True) or a hook asks to stop (False)."""
+        parts, state = self.parts, self.state
+        # A sampler loaded mid-epoch keeps its position for the same epoch; another epoch starts afresh.
+        parts.sampler.set_epoch(state.epoch)
+        parts.train_set.set_epoch(state.epoch)
+        loader = self.make_loader()
+        self._iteration_done = 0
+        batches, started = parts.sampler.num_batches, time.perf_counter()
+        for images, labels in loader:
+            last_of_window = (state.consumed + 1) % parts.passes == 0 or state.consumed + 1 == batches
+            self.forward_backward(images, labels, reduce=last_of_window)
+            state.consumed += 1
+            self._iteration_done += 1
+            if not last_of_window:
+                continue
+            self.optimizer_step()
+            state.images_per_sec = self._iteration_done * parts.global_batch / max(time.perf_counter() - started, 1e-9)
+            self.storage.put_step(epoch=state.epoch, step=state.consumed, global_step=state.global_step,
+                                  loss=state.loss, lr=state.lr, images_per_sec=state.images_per_sec,
+                                  global_batch=parts.global_batch, time=time.time())
+            self._call("after_step")
+            if state.stop:
+                return False
+        return True
+
+    def make_loader(self) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+        """The epoch's batches: the loader built once (persistent workers, augmentation on the device), else
+        a DataLoader over the training set driven by the batch sampler."""
+        parts = self.parts
+        if parts.loader is not None:
+            return parts.loader.epoch(self.state.epoch)
+        return torch.utils.data.DataLoader(parts.train_set, batch_sampler=parts.sampler, num_workers=parts.workers,
+                                           pin_memory=parts.backend.setup.pin_memory,
+                                           generator=loader_generator(parts.seed, self.state.epoch, parts.backend.rank))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a run needs to continue: model, optimizer, schedule, scaler, loss, loop and sampler state.
+
+        Cheap: the tensors are the live ones (no copies), so a caller that
+        keeps a snapshot while training goes on copies it (``torch.save``
+        does). The sampler's part is its own ``state_dict`` at the loop's
+        position, in global steps, so :meth:`load_state_dict` works at
+        another world size.
+        """
+        parts = self.parts
+        return {
+            "model": parts.model.state_dict(),
+            "optimizer": parts.optimizer.state_dict(),
+            "scheduler": parts.scheduler.state_dict(),
+            "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
+            "loss": parts.loss_fn.state_dict(),
+            "state": self.state.to_dict(),
+            "sampler": parts.sampler.state_dict(batches_consumed=self._iteration_done),
+            "world_size": parts.backend.size,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict` (maybe of another world size); the next ``train()`` resumes there."""
+        parts = self.parts
+        parts.model.load_state_dict(saved["model"])
+        parts.optimizer.load_state_dict(saved["optimizer"])
+        parts.scheduler.load_state_dict(saved["scheduler"])
+        parts.loss_fn.load_state_dict(saved["loss"])
+        if parts.scaler is not None and saved.get("scaler"):
+            parts.scaler.load_state_dict(saved["scaler"])
+        self.state = TrainState.from_dict(saved["state"])
+        parts.sampler.load_state_dict(to_numpy(saved["sampler"]))
+        self._iteration_done = 0
+
+    def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, *, reduce: bool) -> None:
+        """Loss on the (gathered) global batch and its backward pass; gradients reduced when ``reduce``."""
+        parts, setup = self.parts, self.parts.backend.setup
+        parts.train_model.train()
+        context = contextlib.nullcontext() if reduce else parts.backend.accumulating(parts.train_model)
+        with context:
+            with setup.autocast():
+                embeddings = parts.train_model(setup.to_device(images))
+            embeddings = embeddings.float()
+            labels = labels.to(setup.device, non_blocking=True)
+            scale = 1.0
+            if parts.gather:
+                embeddings, labels = gather_batch(parts.backend, embeddings, labels)
+                scale = parts.backend.gathered_loss_scale
+            loss = parts.loss_fn(embeddings, labels)
+            scaled = loss * (scale / parts.passes)
+            (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
+        self._last_loss = loss.detach()
+        # A loss can stay finite on NaN embeddings (multi_similarity compares them: every comparison is False).
+        self._embeddings_finite = torch.isfinite(embeddings.detach()).all()
+
+    def optimizer_step(self) -> None:
+        """Apply the reduced gradients (through the GradScaler in fp16), advance the schedule, check the loss."""
+        parts, backend, state = self.parts, self.parts.backend, self.state
+        if parts.scaler is None:
+            parts.optimizer.step()
+        else:
+            # Horovod's way: finish the allreduce, unscale, then step without a second synchronize.
+            backend.synchronize(parts.optimizer)
+            parts.scaler.unscale_(parts.optimizer)
+            with backend.skip_synchronize(parts.optimizer):
+                parts.scaler.step(parts.optimizer)
+            parts.scaler.update()
+        for rows in parts.row_optimizers:
+            rows.step(parts.optimizer.param_groups[0]["lr"])
+        parts.optimizer.zero_grad()
+        parts.scheduler.step()
+        state.global_step += 1
+        # Gathered embeddings give every rank the same loss; otherwise average it (and the finiteness flag).
+        loss, finite = self._last_loss, self._embeddings_finite
+        if not parts.gather and backend.size > 1:
+            both = backend.allreduce_mean(torch.stack([loss.float(), finite.float()]))
+            loss, finite = both[0], both[1] == 1
+        state.loss = float(loss)
+        state.lr = float(parts.scheduler.get_last_lr()[0])
+        if not bool(finite):
+            raise TrainingDiverged(
+                f"the embeddings hold NaN or infinite values at global step {state.global_step} (epoch "
+                f"{state.epoch + 1}; the loss is {state.loss}); training stopped. The last good checkpoint is kept: "
+                "lower optim.lr, raise optim.warmup_steps or check the data, then resume or start afresh"
+            )
+        if not math.isfinite(state.loss):
+            raise TrainingDiverged(
+                f"the loss is {state.loss} at global step {state.global_step} (epoch {state.epoch + 1}); training "
+                "stopped. The last good checkpoint is kept: lower optim.lr, raise optim.warmup_steps or check "
+                "the data, then resume or start afresh"
+            )

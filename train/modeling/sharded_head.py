@@ -1,0 +1,226 @@
+"""A classification head over 10⁶–10⁷ classes, its rows sharded over the ranks (Partial FC style).
+
+Rank r of W holds a contiguous range of the global class ids (⌈C/W⌉ rows for
+the first C mod W ranks, ⌊C/W⌋ after: :func:`shard_range`), each row a
+normalised class centre (or ``subcentres`` of them, sub-centre ArcFace). A
+step's loss is a margin softmax over a sampled set of classes:
+
+* the step's positives (every class of the gathered global batch) always;
+* negatives drawn by a hash of (seed, global step, class id) at the rate
+  ``negatives / C`` (:func:`sampled`), so the sampled set is the same, bit for
+  bit, at every world size: each rank evaluates the hash for its own rows.
+
+Logits are ``scale * cos`` in fp32 with the margin on the target
+(``arcface``: cos(θ + m), ``cosface``: cos θ − m, ``softmax``: none). The
+softmax needs no max all-reduce: logits lie in [−scale, scale], so
+``exp(logit − scale)`` never overflows; the sum of exponentials and the target
+logit are summed over ranks in fp64, once per step. Every rank then holds the
+same loss; each rank's rows give a part of the embeddings' gradient, summed
+over ranks in backward (:class:`_SumGradient`), after which it flows back
+through the embeddings' all-gather like the pair loss's.
+
+The head's rows are not ``nn.Parameter``\\ s: no data-parallel wrapper may
+average them (each rank owns different rows) and no dense C/W-sized gradient
+exists. A step leaves the gradient of its sampled rows in :attr:`pending`;
+:class:`pksampler.train.solver.sparse_rows.SparseRowSGD` applies it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+__all__ = ["HEADS", "HeadSpec", "ShardedMarginHead", "sampled", "shard_range"]
+
+#: ``head.name`` choices
+HEADS = ("arcface", "cosface", "softmax")
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+_INIT_BLOCK = 4096  # classes per initialisation block (a fixed grid, independent of the world size)
+
+
+class Collectives(Protocol):
+    """What the head needs from the runtime (a :class:`~pksampler.train.runtime.distributed.Backend`)."""
+
+    rank: int
+    size: int
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """The head's hyper-parameters (the ``head:`` config block)."""
+
+    name: str = "arcface"
+    scale: float = 30.0
+    margin: float = 0.3
+    negatives: int = 8192  # expected sampled negative classes per step (all classes when >= C)
+    subcentres: int = 1
+    weight: float = 1.0  # the head's loss against the pair loss
+
+
+def shard_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows ``[lo, hi)``: ⌈C/W⌉ for the first C mod W ranks, ⌊C/W⌋ after."""
+    base, extra = divmod(num_classes, world)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (rank < extra)
+
+
+def _splitmix(values: np.ndarray) -> np.ndarray:
+    z = values.astype(np.uint64) + _MIX
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def sampled(class_ids: np.ndarray, *, seed: int, step: int, rate: float) -> np.ndarray:
+    """Which of ``class_ids`` are this step's negatives: a hash of (seed, step, class id) below ``rate``.
+
+    Depends on nothing else, so every world size draws the same set.
+    """
+    if rate >= 1.0:
+        return np.ones(class_ids.shape, dtype=bool)
+    with np.errstate(over="ignore"):
+        key = _splitmix(np.array([seed], dtype=np.uint64))[0] ^ _splitmix(np.array([step], dtype=np.uint64))[0]
+        hashed = _splitmix(class_ids.astype(np.uint64) ^ key)
+    return (hashed >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53) < rate
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ranks (each rank's rows give a part of it)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # type: ignore[override]
+        ctx.collectives = collectives
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.collectives.allreduce_sum(grad.contiguous()), None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Sum over ranks forward; backward passes the gradient through (every rank holds the same loss)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # type: ignore[override]
+        return collectives.allreduce_sum(tensor.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+class ShardedMarginHead(torch.nn.Module):
+    """This rank's rows of a C-class margin-softmax head; ``head(embeddings, labels)`` is the step's loss.
+
+    Args:
+        num_classes: C, the global number of classes (labels are 0 … C − 1).
+        dim: the embedding size D.
+        spec: margin kind, scale, margin, expected negatives per step, sub-centres.
+        collectives: rank, size, ``allreduce_sum`` and ``allgather`` (the trainer's backend).
+        seed: keys the initial rows and the negative draw.
+    """
+
+    def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0) -> None:
+        super().__init__()
+        if spec.name not in HEADS:
+            raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
+        self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
+        self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
+        self.register_buffer("rows", self._initial_rows(), persistent=False)
+        self.step = 0  # global steps taken: keys the negative draw
+        self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids, sampled rows with .grad)
+        # called with the sampled row ids before they are read (the optimizer applies their pending weight decay)
+        self.before_read: Callable[[torch.Tensor], None] | None = None
+
+    def _initial_rows(self) -> torch.Tensor:
+        """Rows keyed by class id, so the head starts the same at every world size.
+
+        Classes come in fixed blocks of ``_INIT_BLOCK`` ids, each drawn from a
+        generator keyed by (seed, block); a rank draws the blocks its range
+        overlaps and keeps its rows.
+        """
+        k, block = self.spec.subcentres, _INIT_BLOCK
+        rows = torch.empty(self.hi - self.lo, k, self.dim)
+        for first in range(self.lo - self.lo % block, self.hi, block):
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + first // block)
+            drawn = torch.randn(block, k, self.dim, generator=generator)
+            lo, hi = max(first, self.lo), min(first + block, self.hi)
+            rows[lo - self.lo:hi - self.lo] = drawn[lo - first:hi - first]
+        return F.normalize(rows, dim=2)
+
+    def selection(self, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's sampled rows (local indices): the batch's classes in range, then the hashed negatives."""
+        ids = np.arange(self.lo, self.hi)
+        rate = min(1.0, self.spec.negatives / max(self.num_classes, 1))
+        chosen = sampled(ids, seed=self.seed, step=self.step, rate=rate)
+        positives = labels.cpu().numpy()
+        positives = positives[(positives >= self.lo) & (positives < self.hi)] - self.lo
+        chosen[positives] = True
+        return torch.from_numpy(np.flatnonzero(chosen)).to(self.rows.device)
+
+    def _target_cosine(self, cosine: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        if spec.name == "cosface":
+            return cosine - spec.margin
+        if spec.name == "arcface":
+            theta = torch.acos(cosine.clamp(-1 + 1e-7, 1 - 1e-7))
+            return torch.cos(theta + spec.margin)
+        return cosine
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The margin softmax cross-entropy of the (gathered) batch over the sampled classes; same on every rank."""
+        chosen = self.selection(labels)
+        if self.before_read is not None:
+            self.before_read(chosen)
+        sampled_rows = self.rows[chosen].detach().requires_grad_(True)
+        self.pending = (chosen, sampled_rows)
+        features = F.normalize(_SumGradient.apply(embeddings.float(), self.collectives), dim=1)
+        cosine = torch.einsum("nd,skd->nsk", features, F.normalize(sampled_rows, dim=2)).amax(dim=2)
+        local = labels.to(chosen.device) - self.lo
+        position = torch.searchsorted(chosen, local.clamp(0, max(self.hi - self.lo - 1, 0)))
+        position = position.clamp(max=max(chosen.numel() - 1, 0))
+        mine = (local >= 0) & (local < self.hi - self.lo) & (chosen.numel() > 0)
+        if chosen.numel():
+            mine = mine & (chosen[position] == local)
+        target = torch.zeros_like(labels, dtype=torch.float32, device=cosine.device)
+        logits = self.spec.scale * cosine
+        if chosen.numel():
+            picked = cosine.gather(1, position[:, None]).squeeze(1)
+            target_logit = self.spec.scale * self._target_cosine(picked)
+            target = torch.where(mine, target_logit, target)
+            logits = logits.scatter(1, position[:, None], torch.where(mine, target_logit, picked * self.spec.scale)[:, None])
+        sum_exp = torch.exp(logits.double() - self.spec.scale).sum(dim=1)
+        both = _SumOverRanks.apply(torch.stack([sum_exp, target.double()], dim=1), self.collectives)
+        loss = torch.log(both[:, 0]) + self.spec.scale - both[:, 1]
+        return loss.mean().float()
+
+    # --- state: the whole head, keyed by class id, the same at every world size ---------------------------
+    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``local`` (this rank's ``(rows, ...)`` tensor), concatenated in class order."""
+        return self.collectives.allgather(local.contiguous()) if self.collectives.size > 1 else local
+
+    def state_dict_rows(self) -> dict[str, Any]:
+        return {"rows": self.gather_rows(self.rows).cpu(), "step": self.step, "num_classes": self.num_classes,
+                "subcentres": self.spec.subcentres, "dim": self.dim}
+
+    def load_state_dict_rows(self, saved: dict[str, Any]) -> None:
+        shape = (self.num_classes, self.spec.subcentres, self.dim)
+        rows = saved["rows"]
+        if tuple(rows.shape) != shape:
+            raise ValueError(f"the checkpoint's head has rows of shape {tuple(rows.shape)}, this run's {shape} "
+                             "(head.subcentres, model.embedding_dim and the classes must match)")
+        self.rows.copy_(rows[self.lo:self.hi])
+        self.step = int(saved["step"])
+
+    def memory_bytes(self) -> int:
+        """Bytes of this rank's rows (C·k·D/W floats)."""
+        return self.rows.numel() * self.rows.element_size()
+

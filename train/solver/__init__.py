@@ -1,0 +1,4 @@
+"""The optimizer, its schedule and fine-tuning's parameter groups and backbone freeze.
+"""
+
+from __future__ import annotations

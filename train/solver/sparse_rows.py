@@ -1,0 +1,149 @@
+"""SGD with momentum for a row-sharded head: only the rows a step used move, weight decay applied lazily and exactly.
+
+A step that sampled rows S (:attr:`ShardedMarginHead.pending`) updates, for
+each row in S,
+
+    m ← μ·m + g,    w ← w·Π(1 − lr_t·λ over the steps since the row last moved) − lr·m
+
+and nothing else: no dense C/W-sized gradient or momentum pass, ever. The
+decoupled weight decay (SGDW, Loshchilov & Hutter) that an eager optimizer
+would apply to every row at every step is applied to a row when a step next
+samples it, before the forward pass reads it (the gradient of a normalised row
+depends on its length), as the product of the factors it missed, read from a
+running log-product of ``(1 − lr_t·λ)`` over steps; :meth:`settle` applies the pending
+decay to every row (before a checkpoint), so the saved rows are those of the
+eager optimizer. Momentum belongs to the rows a step used (Partial FC keeps it
+the same way): a row's momentum changes only when the row is sampled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pksampler.train.modeling.sharded_head import ShardedMarginHead
+
+__all__ = ["SparseRowSGD"]
+
+
+class SparseRowSGD:
+    """Row-sparse SGD with momentum and lazy decoupled weight decay for a :class:`ShardedMarginHead`."""
+
+    def __init__(self, head: ShardedMarginHead, *, momentum: float = 0.9, weight_decay: float = 0.0,
+                 grad_divisor: float = 1.0) -> None:
+        self.head, self.momentum, self.weight_decay = head, momentum, weight_decay
+        self.grad_divisor = grad_divisor  # the loss scale the backward carried (Horovod: the world size)
+        self.buffer = torch.zeros_like(head.rows)
+        self.moved_at = torch.zeros(head.rows.shape[0], dtype=torch.int64)  # steps whose decay a row has
+        self._log = torch.zeros(1024, dtype=torch.float64)  # [t]: log-product of (1 - lr_i * wd), i = 1..t
+        self.steps = 0
+        head.before_read = self.settle_rows
+
+    @property
+    def log_decay(self) -> torch.Tensor:
+        return self._log[: self.steps + 1]
+
+    def _record(self, lr: float) -> None:
+        if self.steps + 1 >= self._log.numel():
+            self._log = torch.cat([self._log, torch.zeros_like(self._log)])
+        factor = torch.log1p(torch.tensor(-lr * self.weight_decay, dtype=torch.float64))
+        self._log[self.steps + 1] = self._log[self.steps] + factor
+        self.steps += 1
+
+    def _decay_since(self, steps: torch.Tensor) -> torch.Tensor:
+        return torch.exp(self._log[self.steps] - self._log[steps]).to(self.head.rows.dtype)
+
+    def step(self, lr: float) -> None:
+        """Apply the pending gradient of the sampled rows at learning rate ``lr``."""
+        pending, self.head.pending = self.head.pending, None
+        self._record(lr)
+        self.head.step += 1
+        if pending is None or pending[1].grad is None:
+            return
+        rows, grad = pending[0], pending[1].grad / self.grad_divisor
+        weights = self.head.rows[rows] * self._decay_since(self.moved_at[rows])[:, None, None]
+        buffer = self.buffer[rows] * self.momentum + grad
+        self.buffer[rows] = buffer
+        self.head.rows[rows] = weights - lr * buffer
+        self.moved_at[rows] = self.steps
+
+    def settle_rows(self, rows: torch.Tensor) -> None:
+        """Apply the pending weight decay of ``rows`` before a step reads them (the gradient of a normalised
+        row depends on its length, so the forward must see the decayed row)."""
+        self.head.rows[rows] *= self._decay_since(self.moved_at[rows])[:, None, None]
+        self.moved_at[rows] = self.steps
+
+    def settle(self) -> None:
+        """Apply every row's pending weight decay (then the rows are the eager optimizer's)."""
+        self.head.rows.mul_(self._decay_since(self.moved_at)[:, None, None])
+        self.moved_at.fill_(self.steps)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rows and momentum of the whole head, keyed by class id (gathered from every rank), decay settled."""
+        self.settle()
+        return {**self.head.state_dict_rows(), "momentum": self.head.gather_rows(self.buffer).cpu(),
+                "log_decay": self.log_decay.clone()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.head.load_state_dict_rows(saved)
+        self.buffer.copy_(saved["momentum"][self.head.lo:self.head.hi])
+        log_decay = saved["log_decay"].to(torch.float64)
+        self.steps = log_decay.numel() - 1
+        self._log = torch.cat([log_decay, torch.zeros(max(1024, log_decay.numel()), dtype=torch.float64)])
+        self.moved_at.fill_(self.steps)
+
+
+class HeadedLoss:
+    """``pair(embeddings, labels) + weight · head(embeddings, labels)``: the trainer's loss with a sharded head.
+
+    Behaves like the pair loss it wraps (``parameters``, ``to``, ``state_dict``);
+    its state adds the head's rows and momentum, keyed by class id, so a
+    checkpoint loads at any world size. :attr:`row_optimizer` is stepped by the
+    trainer after the dense optimizer (:meth:`Trainer.optimizer_step`).
+    """
+
+    def __init__(self, pair: Any, head: ShardedMarginHead, row_optimizer: SparseRowSGD, *, weight: float,
+                 neck: torch.nn.Module | None = None) -> None:
+        self.pair, self.head, self.row_optimizer, self.weight = pair, head, row_optimizer, weight
+        self.neck = neck  # BNNeck: the head reads neck(embeddings), the pair loss the embeddings
+        self.last_head_loss = torch.zeros(())
+
+    def head_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head's loss of the gathered batch (through the neck when there is one)."""
+        return self.head(self.neck(embeddings) if self.neck is not None else embeddings, labels)
+
+    def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        head_loss = self.head_loss(embeddings, labels)
+        self.last_head_loss = head_loss.detach()
+        return self.pair(embeddings, labels) + self.weight * head_loss
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
+        return list(self.pair.parameters()) + neck
+
+    def to(self, device: torch.device | str) -> "HeadedLoss":
+        self.pair.to(device)
+        self.head.to(device)
+        if self.neck is not None:
+            self.neck.to(device)
+        self.row_optimizer.buffer = self.row_optimizer.buffer.to(device)
+        return self
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pair loss's state and the whole head (a collective: every rank calls it together)."""
+        state = {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict()}
+        if self.neck is not None:
+            state["neck"] = self.neck.state_dict()
+        return state
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if "head" not in saved:
+            raise ValueError("the checkpoint has no head (head.name was null when it was written)")
+        self.pair.load_state_dict(saved["pair"])
+        self.row_optimizer.load_state_dict(saved["head"])
+        if (self.neck is not None) != ("neck" in saved):
+            raise ValueError(f"the checkpoint's head {'has' if 'neck' in saved else 'has no'} BNNeck, this run's "
+                             f"head.bnneck is {self.neck is not None}: they must match")
+        if self.neck is not None:
+            self.neck.load_state_dict(saved["neck"])
