@@ -1,25 +1,20 @@
-"""Shards read from SeaweedFS on loopback against the same shards on local disk, in one run.
+"""Reading packed shards from a real SeaweedFS on loopback against the local tar reader, in the same run.
 
-Run: .venv/bin/python benchmarks/objectstore_read.py [--images 2000] [--kib 50] [--workdir DIR]
+Packs ``--classes`` x ``--per-class`` random-noise PNGs of about 50 KiB
+(incompressible; the benchmark reads bytes, it does not decode), uploads them with :func:`pksampler.datasets.upload.upload`, then reads
+P x K batches (K adjacent samples of a class per chunk) through
+``ShardedDataset.__getitems__``'s prefetch from the store and from the local
+folder. Reports samples/s, client CPU per GET (process CPU time / GETs) and
+the time from the server answering to the first batch.
 
-Writes ``--images`` JPEG-sized payloads of about ``--kib`` KiB (random bytes
-behind a real JPEG header are not decodable, so the images are real JPEGs of
-noise at the size that gives that many bytes), packs them, starts ``weed
-mini`` on free ports (tests/objectstore_server.py), uploads the pack, then
-reads every sample in the shard-local plan's batch order (P×K = 32×4, one
-process, bytes only, no decode) from disk and from the server:
+Command::
 
-* samples/s of each reader (and the ratio);
-* client CPU per GET: the process's CPU seconds over the GETs the reader made;
-* seconds from the server answering to the first batch's bytes (cold cache).
-
-Goals: ≥ 1,000 samples/s from the server, ≤ 1 ms CPU per GET, first batch ≤ 2 s.
+    python benchmarks/objectstore_read.py --classes 200 --per-class 8 --batches 40
 """
 
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import sys
 import tempfile
@@ -29,84 +24,76 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from objectstore_server import SeaweedServer  # noqa: E402
+
+from pksampler.datasets import ShardedDataset  # noqa: E402
+from pksampler.datasets.pack import pack  # noqa: E402
+from pksampler.datasets.upload import upload  # noqa: E402
 
 
-def make_images(folder: Path, count: int, kib: int, classes: int = 100) -> None:
-    side = int((kib * 1024 / 0.95) ** 0.5)  # a noise JPEG at quality 90 takes about 0.95 bytes per pixel
-    generator = np.random.default_rng(0)
-    for index in range(count):
-        path = folder / f"c{index % classes:04d}" / f"{index:06d}.jpg"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pixels = generator.integers(0, 256, (side, side, 3), dtype=np.uint8)
-        buffer = io.BytesIO()
-        Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
-        path.write_bytes(buffer.getvalue())
+def _make_folder(root: Path, classes: int, per_class: int, size: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    for c in range(classes):
+        (root / f"c{c:05d}").mkdir(parents=True)
+        for v in range(per_class):
+            side = int((size / 3) ** 0.5)  # noise PNG: about ``size`` bytes, incompressible
+            Image.fromarray(rng.integers(0, 256, (side, side, 3), dtype=np.uint8)).save(root / f"c{c:05d}" / f"{v:03d}.png")
 
 
-def batches(dataset) -> list[list[int]]:
-    from pksampler import DistributedBalancedBatchSampler
-
-    sampler = DistributedBalancedBatchSampler(dataset.labels, samples_per_class=4, classes_per_step=32,
-                                              num_replicas=1, rank=0, seed=0, locality="shard",
-                                              shard_ids=dataset.shard_ids)
-    return [list(batch) for batch in sampler]
+def _batches(labels: np.ndarray, p: int, k: int, count: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng((seed, 1))
+    starts = np.flatnonzero(np.r_[True, labels[1:] != labels[:-1]])
+    return [[int(s) + j for s in rng.choice(starts, p, replace=False) for j in range(k)] for _ in range(count)]
 
 
-def read_all(dataset, plan: list[list[int]]) -> tuple[float, float, int]:
-    """(seconds, CPU seconds, samples) to read every batch's bytes."""
-    started, cpu = time.perf_counter(), time.process_time()
-    samples = 0
-    for batch in plan:
+def _read(dataset: ShardedDataset, batches: list[list[int]]) -> tuple[float, float, float]:
+    """(seconds, CPU seconds, seconds to the first batch) to read every batch's bytes."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    first = None
+    for batch in batches:
         dataset.prefetch(batch)
-        samples += sum(len(dataset.read_bytes(i)) > 0 for i in batch)
-    return time.perf_counter() - started, time.process_time() - cpu, samples
+        for i in batch:
+            dataset.read_bytes(i)
+        first = first if first is not None else time.perf_counter() - wall
+    return time.perf_counter() - wall, time.process_time() - cpu, first
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=2000)
-    parser.add_argument("--kib", type=int, default=50)
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--classes", type=int, default=200)
+    parser.add_argument("--per-class", type=int, default=8)
+    parser.add_argument("--size", type=int, default=50 * 1024)
+    parser.add_argument("--p", type=int, default=16)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--batches", type=int, default=40)
     args = parser.parse_args()
-    from objectstore_server import SeaweedServer
-
-    from pksampler.datasets import ShardedDataset
-    from pksampler.datasets.pack import pack
-    from pksampler.datasets.upload import upload
-
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="objectstore_read_"))
-    folder, shards = work / "images", work / "shards"
-    if not (shards / "manifest.json").is_file():
-        make_images(folder, args.images, args.kib)
-        pack(folder, shards, shard_size="16MB")
-    server = SeaweedServer(work / "seaweed")
-    answered = server.start()
-    os.environ.update(server.environment(), PKSAMPLER_CACHE=str(work / "cache"))
-    try:
-        url = "s3://bench/shards"
-        upload(shards, url)
-        local = ShardedDataset(shards)
-        plan = batches(local)
-        began = time.perf_counter()
-        remote = ShardedDataset(url)
-        remote.prefetch(plan[0])
-        first = time.perf_counter() - began
-        gets_before = remote.store.counts()[0]
-        remote_time, remote_cpu, count = read_all(remote, plan)
-        gets = remote.store.counts()[0] - gets_before
-        local_time, _, _ = read_all(local, plan)
-        size = float(np.mean(local.index["size"]))
-        print(f"{count} samples of {size / 1024:.1f} KiB in {len(local.shard_names)} shards, "
-              f"{len(plan)} batches of 128 (shard-local plan); server answered after {answered:.2f} s")
-        print(f"local tar reader: {count / local_time:8.0f} samples/s")
-        print(f"SeaweedFS       : {count / remote_time:8.0f} samples/s ({local_time / remote_time:.2f}x the local "
-              f"reader), {gets} GETs ({count / max(gets, 1):.1f} samples per GET), "
-              f"{1000 * remote_cpu / max(gets, 1):.2f} ms client CPU per GET")
-        print(f"first batch: {first:.2f} s after the server answered (manifest, index, labels, one batch)")
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        _make_folder(tmp / "folder", args.classes, args.per_class, args.size, 0)
+        pack(tmp / "folder", tmp / "shards", shard_size="16MB")
+        server = SeaweedServer(tmp / "seaweed")
+        answered = server.start()
+        try:
+            os.environ.update(server.environment())
+            upload(tmp / "shards", "s3://bench/shards")
+            local = ShardedDataset(tmp / "shards")
+            batches = _batches(np.asarray(local.labels), args.p, args.k, args.batches, 0)
+            samples = sum(len(b) for b in batches)
+            l_wall, l_cpu, _ = _read(local, batches)
+            opened = time.perf_counter()
+            remote = ShardedDataset("s3://bench/shards")  # fetches manifest, index, labels into the node cache
+            open_s = time.perf_counter() - opened
+            r_wall, r_cpu, r_first = _read(remote, batches)
+            gets, _ = remote.store.counts()
+        finally:
+            server.stop()
+    print(f"server answered after {answered:.2f} s; {samples} samples in {len(batches)} batches of "
+          f"{args.p}x{args.k}, {args.size // 1024} KiB each")
+    print(f"local tar : {samples / l_wall:9.0f} samples/s, {l_cpu / samples * 1e3:.3f} ms CPU per sample")
+    print(f"seaweedfs : {samples / r_wall:9.0f} samples/s, {gets} GETs, {r_cpu / max(gets, 1) * 1e3:.3f} ms CPU per GET, "
+          f"first batch {open_s + r_first:.3f} s after opening s3:// (open {open_s:.3f} s)")
+    print(f"ratio     : {(samples / r_wall) / (samples / l_wall):.3f} of the local reader's samples/s")
 
 
 if __name__ == "__main__":
