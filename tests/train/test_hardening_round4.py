@@ -106,3 +106,18 @@ def test_no_resume_in_a_used_workspace_leaves_nothing_of_the_old_run(tmp_path):
     assert _step_lines(tmp_path / "run") == [1, 2] and old_steps > 2
     assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
     assert not (tmp_path / "run" / "final_metrics.json").exists()
+
+
+@pytest.mark.parametrize("key, value", [("epoch", "3"), ("global_step", 2.5), ("consumed", -1), ("epoch", True)])
+def test_a_checkpoint_whose_state_counters_are_not_whole_numbers_is_refused_naming_the_key(tmp_path, key, value):
+    import torch
+
+    from pksampler.train.engine.checkpoint import CheckpointError, check_training_checkpoint
+
+    saved = {"model": {"weight": torch.zeros(2)}, "optimizer": {}, "scheduler": {}, "loss": {}, "sampler": {},
+             "config": {}, "state": {"epoch": 1, "global_step": 4, "consumed": 0, key: value}}
+    path = tmp_path / "last.pt"
+    with pytest.raises(CheckpointError, match=rf"{path}: state\.{key} must be a whole number >= 0, it holds"):
+        check_training_checkpoint(saved, path)
+    saved["state"][key] = 1
+    check_training_checkpoint(saved, path)  # the same file with a whole number loads
