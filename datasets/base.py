@@ -237,6 +237,12 @@ class LabelledSubset(LabelledDataset):
     def load(self, index: int) -> Any:
         return self.dataset.load(int(self.indices[index]))
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Let the parent read a batch's bytes ahead (an object store coalesces them into few requests)."""
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is not None:
+            prefetch(self.indices[np.asarray(indices, dtype=np.int64) % len(self)].tolist())
+
     def describe(self, index: int) -> str:
         return self.dataset.describe(int(self.indices[index]))
 

@@ -42,10 +42,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from pksampler.files import atomic_write_text, atomic_writer
+from pksampler.files import atomic_write_bytes, atomic_write_text, atomic_writer
 
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, NotRegularFileError, load_rgb, open_regular
 from .base import LabelledDataset, check_decoding
+from .objectstore import ObjectStore, is_remote
 
 __all__ = [
     "FORMAT_NAME",
@@ -194,6 +195,14 @@ class ShardedDataset(LabelledDataset):
         if isinstance(max_open_shards, bool) or not isinstance(max_open_shards, int) or max_open_shards < 1:
             raise ValueError(f"ShardedDataset(max_open_shards=) must be a positive int, got {max_open_shards!r}")
         self.max_open_shards = max_open_shards
+        self.store: ObjectStore | None = None
+        self._prefetched: dict[int, bytes] = {}
+        if is_remote(root):  # s3://bucket/prefix: the small files in a node-local cache, shards read by ranged GETs
+            self.store = ObjectStore(str(root))
+            root = _cache_pack_files(self.store)
+            if verify_index:
+                raise ValueError("ShardedDataset(verify_index=True) reads every shard; on an object store, check the "
+                                 "shards' SHA-256 where they were packed (python -m pksampler.datasets.pack keeps them)")
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ShardedDataset(root=) is not a directory: {self.root}")
@@ -228,16 +237,49 @@ class ShardedDataset(LabelledDataset):
                 raise ShardDamagedError(f"ShardedDataset: shard {path} does not match the SHA-256 in {self.root / MANIFEST}: "
                                  "its content is damaged or it was swapped with another; re-run pack")
 
+    @property
+    def shard_ids(self) -> np.ndarray:
+        """The shard of every sample (uint32), read from index.npy alone: what ``locality="shard"`` samplers need."""
+        return np.ascontiguousarray(self.index["shard"])
+
     def describe(self, index: int) -> str:
         record = self.index[index]
-        return (f"{self.root / self.shard_names[int(record['shard'])]}@{int(record['offset'])}"
+        where = f"{self.store.url}/" if self.store is not None else f"{self.root}{os.sep}"
+        return (f"{where}{self.shard_names[int(record['shard'])]}@{int(record['offset'])}"
                 f"+{int(record['size'])} (sample {index})")
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Read the bytes of ``indices`` ahead, one GET per run of nearby samples of a shard (object stores only).
+
+        Called with a batch's indices (by :meth:`__getitems__`, or the trainer's
+        loader): a K-chunk of adjacent samples costs one request. The previous
+        batch's bytes are dropped, so memory stays at one batch per process.
+        """
+        if self.store is None:
+            return
+        records = self.index[np.asarray(indices, dtype=np.int64)]
+        self._prefetched = {}
+        for shard in np.unique(records["shard"]):
+            mine = np.flatnonzero(records["shard"] == shard)
+            ranges = [(int(records["offset"][i]), int(records["offset"][i]) + int(records["size"][i])) for i in mine]
+            for i, data in zip(mine, self.store.get_ranges(self.shard_names[int(shard)], ranges)):
+                self._prefetched[int(indices[i])] = data
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
+        """A batch: its bytes prefetched together (object stores), then each sample as ``self[i]``."""
+        self.prefetch(indices)
+        return [self[i] for i in indices]
+
     def read_bytes(self, index: int) -> bytes:
-        """The stored (encoded) image bytes of sample ``index``: one positioned read."""
+        """The stored (encoded) image bytes of sample ``index``: one positioned read (or ranged GET)."""
         record = self.index[index]
         shard, offset, size = int(record["shard"]), int(record["offset"]), int(record["size"])
-        data = os.pread(self._handle(shard), size, offset)
+        if self.store is not None:
+            data = self._prefetched.pop(int(index), None)
+            if data is None:
+                data = self.store.get_ranges(self.shard_names[shard], [(offset, offset + size)])[0]
+        else:
+            data = os.pread(self._handle(shard), size, offset)
         if len(data) != size:
             raise ImageLoadError(f"{self.describe(index)}: shard ends after {len(data)} of {size} bytes (truncated shard?)")
         return data
@@ -305,6 +347,7 @@ class ShardedDataset(LabelledDataset):
         """
         state = dict(self.__dict__)
         state["_handles"] = OrderedDict()
+        state["_prefetched"] = {}
         state["index"] = state["labels"] = None
         return state
 
@@ -312,6 +355,24 @@ class ShardedDataset(LabelledDataset):
         self.__dict__.update(state)
         self.index, self.labels = _open_index(self.root, self.manifest, verify=False)
         self._pid = os.getpid()
+
+
+def _cache_pack_files(store: ObjectStore) -> Path:
+    """The pack's manifest, index and labels in a node-local folder, downloaded when the manifest changed.
+
+    Several processes of a host may do this at once: every file is written
+    atomically, the manifest last, so a reader sees either the old set or the new.
+    """
+    folder = store.cache_folder()
+    manifest = store.get(MANIFEST)
+    cached = folder / MANIFEST
+    fresh = cached.is_file() and cached.read_bytes() == manifest and (folder / INDEX_FILE).is_file() \
+        and (folder / LABELS_FILE).is_file()
+    if not fresh:
+        store.fetch(INDEX_FILE, folder)
+        store.fetch(LABELS_FILE, folder)
+        atomic_write_bytes(cached, manifest)
+    return folder
 
 
 def _regular_descriptor(path: Path) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from ._labels import ClassIndex, group_labels
 from ._world import rank_share, rank_shares, world_info
 from .balanced import DistributedBalancedBatchSampler, DistributedBalancedSampler
-from .pk_plan import balanced_plan, epoch_layout, rank_batches
+from .pk_plan import PlanOptions, balanced_plan, epoch_layout, rank_batches
 from .triplet import DistributedTripletBatchSampler, DistributedTripletSampler
-from .triplet_plan import triplet_batches
+from .triplet_plan import TripletOptions, triplet_batches
 from .consistency import SamplerMismatchError, check_consistent, sampler_fingerprint
 
 __all__ = [
@@ -20,7 +20,9 @@ __all__ = [
     "DistributedBalancedSampler",
     "DistributedTripletBatchSampler",
     "DistributedTripletSampler",
+    "PlanOptions",
     "SamplerMismatchError",
+    "TripletOptions",
     "balanced_plan",
     "check_consistent",
     "epoch_layout",

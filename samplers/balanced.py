@@ -12,8 +12,12 @@ from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
 from ._world import rank_share, rank_shares, resolve_world, step_total
 from .pk_plan import SMALL_CLASS_POLICIES, EpochLayout, count_steps, epoch_layout, rank_batches
+from .shard_plan import DEFAULT_WINDOW, class_shards, shard_layout
 
 __all__ = ["DistributedBalancedBatchSampler", "DistributedBalancedSampler"]
+
+#: where a rank's chunks come from: "pk" random shards (default plan), "shard" shard-local lanes
+LOCALITIES = ("pk", "shard")
 
 #: samples_per_class may be at most this multiple of the largest class (filled by repetition)
 REPEAT_LIMIT = 16
@@ -36,6 +40,9 @@ class _BalancedPlan(StepPlanSampler):
         seed: int = 0,
         small_classes: str = "repeat",
         class_weighting: float = 1.0,
+        locality: str = "pk",
+        shard_ids: Any = None,
+        window: int = DEFAULT_WINDOW,
     ) -> None:
         owner = self._owner
         if samples_per_class is None:
@@ -58,10 +65,24 @@ class _BalancedPlan(StepPlanSampler):
                 f"= {limit}, got {self.samples_per_class}: beyond that every chunk is mostly repeated samples "
                 f"and an epoch would hold more than {REPEAT_LIMIT} passes over the data"
             )
+        self.locality = check_choice("locality", locality, LOCALITIES, owner=owner)
+        self.window = check_int("window", window, minimum=1, owner=owner)
+        self._class_shard = self._shards_of_classes(shard_ids, owner)
         self._layout_cache: tuple[tuple[int, int], EpochLayout] | None = None
         #: epoch-independent chunk counts, kept by the plan functions between epochs
         self._counts_cache: dict = {}
         _ = self.num_batches  # validates "enough classes" now rather than at the first epoch
+
+    def _shards_of_classes(self, shard_ids: Any, owner: str) -> np.ndarray | None:
+        """The shard of every class for ``locality="shard"`` (one integer per class); None for the default plan."""
+        if self.locality != "shard":
+            if shard_ids is not None:
+                raise ValueError(f"{owner}(shard_ids=) is used only with locality='shard', got locality={self.locality!r}")
+            return None
+        if shard_ids is None:
+            raise ValueError(f"{owner}(locality='shard') needs shard_ids= (one shard id per sample, "
+                             "e.g. ShardedDataset.shard_ids)")
+        return class_shards(self.index, shard_ids, owner=owner)
 
     @property
     def batch_size(self) -> int:
@@ -81,6 +102,7 @@ class _BalancedPlan(StepPlanSampler):
             "samples_per_class": self.samples_per_class,
             "small_classes": self.small_classes,
             "class_weighting": self.class_weighting,
+            **({"locality": "shard", "window": self.window} if self.locality == "shard" else {}),
         }
 
     def _check_identity(self, state: dict[str, Any], owner: str) -> None:
@@ -109,9 +131,13 @@ class _BalancedPlan(StepPlanSampler):
         epoch = self.epoch if epoch is None else epoch
         key = (epoch, self.seed)
         if self._layout_cache is None or self._layout_cache[0] != key:
-            layout = epoch_layout(
-                self.index, self.classes_per_step, self.samples_per_class, **self._plan_kwargs(epoch)
-            )
+            if self._class_shard is None:
+                layout = epoch_layout(
+                    self.index, self.classes_per_step, self.samples_per_class, **self._plan_kwargs(epoch)
+                )
+            else:
+                layout = shard_layout(self.index, self.classes_per_step, self.samples_per_class, self._class_shard,
+                                      window=self.window, **self._plan_kwargs(epoch))
             self._layout_cache = (key, layout)
         return self._layout_cache[1]
 
@@ -166,6 +192,15 @@ class DistributedBalancedSampler(FlatForm, _BalancedPlan, Sampler[int]):
         class_weighting: exponent a; a class appears in proportion to
             ``n_c ** a``: 1 = one pass over the data, 0 = every class equally
             often, 0.5 = square-root (long-tail data).
+        locality: ``"pk"`` (default plan) or ``"shard"``: the shard-local
+            plan of :mod:`pksampler.samplers.shard_plan`, same chunk counts and
+            guarantees, but each of the G lanes reads shard by shard (one
+            ranged read per visit from an object store).
+        shard_ids: with ``locality="shard"``, one shard id per sample
+            (``ShardedDataset.shard_ids``); samples of a class must be stored
+            contiguously, as the packer writes them.
+        window: with ``locality="shard"``, steps per shuffle window of a lane
+            (larger: more varied batch-mates, longer-lived reads).
 
     .. warning::
         Call :meth:`set_epoch` at the start of every epoch, before creating

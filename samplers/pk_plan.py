@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -69,11 +70,15 @@ from ._world import rank_share
 __all__ = [
     "SMALL_CLASS_POLICIES",
     "EpochLayout",
+    "PlanOptions",
     "balanced_plan",
     "chunk_counts",
     "cap_counts",
     "eligible_classes",
     "epoch_layout",
+    "epoch_runs",
+    "position_dtype",
+    "repair_splits",
     "epoch_rng",
     "column_positions",
     "count_steps",
@@ -248,6 +253,43 @@ def epoch_layout(
     counts between epochs.
     """
     rng = epoch_rng(seed, epoch)
+    class_order, starts, run_of, num_steps = epoch_runs(
+        index, classes_per_step, samples_per_class, rng, small_classes=small_classes,
+        class_weighting=class_weighting, cache=cache,
+    )
+    position_of = column_positions(starts, num_steps, classes_per_step, rng)
+    slot_shift = rng.integers(0, classes_per_step, size=num_steps)
+    member_key = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
+    return EpochLayout(
+        num_steps=num_steps,
+        classes_per_step=classes_per_step,
+        class_order=class_order,
+        starts=starts,
+        run_of=run_of,
+        position_of=position_of,
+        slot_shift=slot_shift,
+        member_key=member_key,
+    )
+
+
+def epoch_runs(
+    index: ClassIndex,
+    classes_per_step: int,
+    samples_per_class: int,
+    rng: np.random.Generator,
+    *,
+    small_classes: str,
+    class_weighting: float,
+    cache: dict | None,
+    order: Callable[[np.ndarray], np.ndarray] | None = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """Steps 1-3 of the module docstring: ``(class_order, starts, run_of, S)``.
+
+    ``order`` (optional) maps the epoch's class codes, after the remainder
+    is dropped, to the permutation that lays their runs out; the default is
+    the shuffled order itself. The chunk counts never depend on it, so every
+    plan built on this function gives a class the same chunks per epoch.
+    """
     eligible, counts, num_steps = _counts_for_epoch(
         index, classes_per_step, samples_per_class, rng, small_classes, class_weighting, cache
     )
@@ -262,24 +304,15 @@ def epoch_layout(
         run_lengths[-remainder:] -= 1
         present = run_lengths > 0
         class_order, run_lengths = class_order[present], run_lengths[present]
+    if order is not None:
+        permutation = order(class_order)
+        class_order, run_lengths = class_order[permutation], run_lengths[permutation]
     # int32 offsets while the epoch's chunk sequence (S*G) fits: half the memory of int64
     starts = np.zeros(class_order.size + 1, dtype=np.int32 if num_steps * classes_per_step < 2**31 else np.int64)
     np.cumsum(run_lengths, out=starts[1:])
     run_dtype = np.int32 if class_order.size < 2**31 else np.int64
     run_of = np.repeat(np.arange(class_order.size, dtype=run_dtype), run_lengths)
-    position_of = column_positions(starts, num_steps, classes_per_step, rng)
-    slot_shift = rng.integers(0, classes_per_step, size=num_steps)
-    member_key = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
-    return EpochLayout(
-        num_steps=num_steps,
-        classes_per_step=classes_per_step,
-        class_order=class_order,
-        starts=starts,
-        run_of=run_of,
-        position_of=position_of,
-        slot_shift=slot_shift,
-        member_key=member_key,
-    )
+    return class_order, starts, run_of, num_steps
 
 
 def _split_runs(starts: np.ndarray, num_steps: int, columns: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -312,9 +345,20 @@ def column_positions(starts: np.ndarray, num_steps: int, columns: int, rng: np.r
     its step with a chunk of column j whose step that class does not use
     (step 4 of the module docstring).
     """
-    dtype = np.int16 if num_steps < 2**15 else np.int32 if num_steps < 2**31 else np.int64
-    position_of = np.tile(np.arange(num_steps, dtype=dtype), (columns, 1))
+    position_of = np.tile(np.arange(num_steps, dtype=position_dtype(num_steps)), (columns, 1))
     rng.permuted(position_of, axis=1, out=position_of)
+    repair_splits(position_of, starts)
+    return position_of
+
+
+def position_dtype(num_steps: int) -> type:
+    """The smallest integer type holding a step number below ``num_steps``."""
+    return np.int16 if num_steps < 2**15 else np.int32 if num_steps < 2**31 else np.int64
+
+
+def repair_splits(position_of: np.ndarray, starts: np.ndarray) -> None:
+    """Repair ``position_of`` (G, S) in place so that no class split across two columns meets itself in a step."""
+    columns, num_steps = position_of.shape
     tail, head, next_tail = _split_runs(starts, num_steps, columns)
     split = tail > 0
     loose = tail + head + next_tail <= num_steps
@@ -329,7 +373,6 @@ def column_positions(starts: np.ndarray, num_steps: int, columns: int, rng: np.r
         if moved_tail and j + 1 < columns and split[j + 1] and (not pending or pending[0] != j + 1):
             heapq.heappush(pending, j + 1)
     _repair_loose_columns(position_of, np.flatnonzero(split & loose), tail, head, next_tail)
-    return position_of
 
 
 def _repair_column(position_of: np.ndarray, j: int, tail: int, head: int, next_tail: int) -> bool:
@@ -444,18 +487,33 @@ def step_classes(layout: EpochLayout) -> np.ndarray:
     return layout.class_order[layout.run_of[position]]
 
 
+@dataclass(frozen=True)
+class PlanOptions:
+    """Seed, epoch, policies and starting step of one P x K plan (the defaults of the samplers).
+
+    Attributes:
+        seed: base seed; the epoch's generator is keyed by ``(seed, epoch)``.
+        epoch: the epoch to plan.
+        small_classes: ``"repeat"`` or ``"drop"`` (see :data:`SMALL_CLASS_POLICIES`).
+        class_weighting: exponent a; a class appears in proportion to ``n_c ** a``.
+        start_step: the first global step returned.
+    """
+
+    seed: int = 0
+    epoch: int = 0
+    small_classes: str = "repeat"
+    class_weighting: float = 1.0
+    start_step: int = 0
+
+
 def balanced_plan(
     index: ClassIndex,
     classes_per_batch: int | None,
     samples_per_class: int,
     num_replicas: int,
     rank: int,
+    options: PlanOptions = PlanOptions(),
     *,
-    seed: int = 0,
-    epoch: int = 0,
-    small_classes: str = "repeat",
-    class_weighting: float = 1.0,
-    start_step: int = 0,
     classes_per_step: int | None = None,
 ) -> np.ndarray:
     """One rank's batches for one epoch, shape ``(steps, P_r * K)``: layout, then slice.
@@ -470,10 +528,11 @@ def balanced_plan(
         index,
         total,
         samples_per_class,
-        seed=seed,
-        epoch=epoch,
-        small_classes=small_classes,
-        class_weighting=class_weighting,
+        seed=options.seed,
+        epoch=options.epoch,
+        small_classes=options.small_classes,
+        class_weighting=options.class_weighting,
     )
-    batches = rank_batches(layout, index, count, samples_per_class, rank, start_step=start_step, first_slot=first)
+    batches = rank_batches(layout, index, count, samples_per_class, rank, start_step=options.start_step,
+                           first_slot=first)
     return batches.reshape(batches.shape[0], count * samples_per_class)

@@ -12,7 +12,7 @@ from ._base import BatchForm, FlatForm, StepPlanSampler
 from ._labels import ClassIndex, group_labels
 from ._validate import check_choice, check_int, check_real
 from ._world import rank_share, rank_shares, resolve_world, step_total
-from .triplet_plan import anchor_index, check_neighbour_table, count_triplet_steps, triplet_batches
+from .triplet_plan import TripletOptions, anchor_index, check_neighbour_table, count_triplet_steps, triplet_batches
 
 __all__ = ["DistributedTripletBatchSampler", "DistributedTripletSampler"]
 
@@ -124,12 +124,10 @@ class _TripletPlan(StepPlanSampler):
 
     def _rank_steps(self, epoch: int, start: int, stop: int) -> np.ndarray:
         hard = self.negatives == "hard"
-        triples = triplet_batches(
-            self.index, self.anchors, self.triplets_per_batch, self.num_replicas, self.rank,
-            seed=self.seed, epoch=epoch, neighbours=self.neighbours(epoch) if hard else None,
-            hard_fraction=self.hard_fraction if hard else 0.0, start_step=start, stop_step=stop,
-            triplets_per_step=self.triplets_per_step,
-        )
+        options = TripletOptions(seed=self.seed, epoch=epoch, neighbours=self.neighbours(epoch) if hard else None,
+                                 hard_fraction=self.hard_fraction if hard else 0.0, start_step=start, stop_step=stop)
+        triples = triplet_batches(self.index, self.anchors, self.triplets_per_batch, self.num_replicas, self.rank,
+                                  options, triplets_per_step=self.triplets_per_step)
         return triples.reshape(triples.shape[0], self.batch_size)
 
     def state_dict(self, batches_consumed: int | None = None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from ._permute import keyed_permute, mix64
 from ._world import rank_share
 from .pk_plan import epoch_rng
 
-__all__ = ["AnchorIndex", "anchor_index", "check_neighbour_table", "count_triplet_steps", "triplet_batches"]
+__all__ = ["AnchorIndex", "TripletOptions", "anchor_index", "check_neighbour_table", "count_triplet_steps", "triplet_batches"]
 
 _SALT_POSITIVE = np.uint64(0x243F6A8885A308D3)
 _SALT_NEG_CLASS = np.uint64(0x13198A2E03707344)
@@ -112,19 +112,35 @@ def _uniform_below(hashes: np.ndarray, bound: np.ndarray) -> np.ndarray:
         return ((top * np.asarray(bound, dtype=np.uint64)) >> np.uint64(32)).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class TripletOptions:
+    """Seed, epoch, hard negatives and step range of one triplet plan.
+
+    Attributes:
+        seed: base seed; the epoch's key comes from ``(seed, epoch)``.
+        epoch: the epoch to plan.
+        neighbours: ``(C, h)`` nearest class codes per class (``-1`` where unknown), or None.
+        hard_fraction: share of negatives drawn from ``neighbours``.
+        start_step: the first global step returned.
+        stop_step: one past the last global step returned (None: the epoch's end).
+    """
+
+    seed: int = 0
+    epoch: int = 0
+    neighbours: np.ndarray | None = None
+    hard_fraction: float = 0.0
+    start_step: int = 0
+    stop_step: int | None = None
+
+
 def triplet_batches(
     index: ClassIndex,
     anchors: AnchorIndex,
     triplets_per_batch: int | None,
     num_replicas: int,
     rank: int,
+    options: TripletOptions = TripletOptions(),
     *,
-    seed: int,
-    epoch: int,
-    neighbours: np.ndarray | None = None,
-    hard_fraction: float = 0.0,
-    start_step: int = 0,
-    stop_step: int | None = None,
     triplets_per_step: int | None = None,
 ) -> np.ndarray:
     """One rank's triplets, shape ``(steps, T_r, 3)`` of (anchor, positive, negative).
@@ -141,8 +157,10 @@ def triplet_batches(
     per_step = num_replicas * triplets_per_batch if triplets_per_step is None else triplets_per_step
     first, triplets_per_batch = rank_share(per_step, num_replicas, rank)
     num_steps = count_triplet_steps(anchors, per_step)
+    start_step, stop_step = options.start_step, options.stop_step
     stop_step = num_steps if stop_step is None else min(stop_step, num_steps)
-    rng = epoch_rng(seed, epoch, stream=1)
+    neighbours, hard_fraction = options.neighbours, options.hard_fraction
+    rng = epoch_rng(options.seed, options.epoch, stream=1)
     key = np.uint64(rng.integers(0, 2**63, dtype=np.int64))
     steps = np.arange(start_step, stop_step, dtype=np.int64)
     slots = first + np.arange(triplets_per_batch, dtype=np.int64)

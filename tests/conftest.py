@@ -17,8 +17,22 @@ for _keys in LAUNCHER_ENVIRONMENT:
     for _key in _keys:
         os.environ.pop(_key, None)
 
+import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(scope="session")
+def seaweed(tmp_path_factory):
+    """A real SeaweedFS S3 server on 127.0.0.1 for the session (tests/objectstore_server.py)."""
+    from objectstore_server import SeaweedServer
+
+    server = SeaweedServer(tmp_path_factory.mktemp("seaweed"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -30,6 +30,9 @@ from pksampler.train.config.schema import RunConfig
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 #: config keys whose values are free-form mappings: any sub-key may follow them
 FREE_FORM = {"data.args", "data.augment", "sampler.args", "loss.args", "loss.miner", "loss.memory"}
+#: manual pages linked before their text is merged; a link to one may dangle only while the page is absent,
+#: and each must be linked from docs/index.md (empty this set once the pages are on main)
+FORTHCOMING = {"docs/shard-local-plan.md", "docs/object-store.md", "docs/many-machines-failures.md"}
 
 
 def blocks(page: Path, language: str) -> list[str]:
@@ -120,9 +123,17 @@ def test_relative_links_point_at_files_that_exist():
         for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text(encoding="utf-8")):
             if "://" in target:
                 continue
-            if not (page.parent / target).exists():
+            resolved = (page.parent / target).resolve()
+            if not resolved.exists() and _id(resolved) not in FORTHCOMING:
                 missing.append(f"{_id(page)} -> {target}")
     assert not missing, missing
+
+
+def test_the_index_lists_every_page():
+    index = (ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    pages = {_id(page) for page in PAGES if page.parent.name == "docs"} | FORTHCOMING
+    unlisted = sorted(page for page in pages - {"docs/index.md"} if f"]({Path(page).name})" not in index)
+    assert not unlisted, unlisted
 
 
 def test_the_configuration_reference_is_the_schemas():

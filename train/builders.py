@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -39,6 +39,7 @@ __all__ = [
     "build_data",
     "build_optimizer",
     "build_sampler",
+    "shard_ids_of",
     "build_schedule",
     "eval_size",
     "per_rank_share",
@@ -95,12 +96,16 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
     from pksampler.datasets import ShardedDataset
 
-    return ShardedDataset(_root(data), seed=seed, **_decoding(data))
+    root = data.root if data.root and data.root.startswith("s3://") else _root(data)  # an object store, or a folder
+    return ShardedDataset(root, seed=seed, **_decoding(data))
 
 
 def _root(data: DataConfig) -> Path:
     if not data.root:
         raise ConfigError(f"data.root: required for data.name={data.name!r} (or set DATASETS_PATH/DATASETS)")
+    if data.root.startswith("s3://"):
+        raise ConfigError(f"data.root: {data.root!r} is an object store, which only data.name: shards reads "
+                          "(pack the images, then upload: docs/object-store.md)")
     return Path(data.root)
 
 
@@ -147,12 +152,30 @@ def per_rank_share(total: int, world_size: int, key: str, rank: int = 0) -> int:
     return rank_share(total, world_size, rank)[1]
 
 
-def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+def shard_ids_of(dataset: Any) -> np.ndarray | None:
+    """Per-sample shard ids of a sharded dataset (or a subset of one); None for other datasets."""
+    if isinstance(dataset, LabelledSubset):
+        parent = shard_ids_of(dataset.dataset)
+        return None if parent is None else parent[dataset.indices]
+    return getattr(dataset, "shard_ids", None)
+
+
+def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int,
+              shard_ids: np.ndarray | None = None):
     per_rank_share(sampler.classes_per_step, world_size, "sampler.classes_per_step", rank)
+    args = dict(sampler.args)
+    if args.get("locality") == "shard":
+        if "shard_ids" in args:
+            raise ConfigError("sampler.args.shard_ids is not a config key: the shard ids come from the dataset")
+        if shard_ids is None:
+            raise ConfigError(f"sampler.args.locality='shard' needs a packed dataset (data.name: shards), got a "
+                              f"dataset without shards: drop the locality key or pack the data with "
+                              "python -m pksampler.datasets.pack")
+        args["shard_ids"] = shard_ids
     try:
         return DistributedBalancedBatchSampler(labels, samples_per_class=sampler.samples_per_class,
                                                classes_per_step=sampler.classes_per_step, num_replicas=world_size,
-                                               rank=rank, seed=seed, **sampler.args)
+                                               rank=rank, seed=seed, **args)
     except ValueError:
         # Counted only when the sampler refuses, so a good start-up never sorts 10^8 labels for it.
         classes = np.unique(labels).size
@@ -164,23 +187,26 @@ def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank:
         raise
 
 
-def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int,
+             shard_ids: np.ndarray | None = None):
     per_rank_share(sampler.triplets_per_step, world_size, "sampler.triplets_per_step", rank)
     return DistributedTripletBatchSampler(labels, triplets_per_step=sampler.triplets_per_step,
                                           num_replicas=world_size, rank=rank, seed=seed, **sampler.args)
 
 
-#: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed)
+#: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed, shard ids)
 SAMPLERS = {"balanced": _balanced, "triplet": _triplet}
 
 
-def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int):
+def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int, *,
+                  shard_ids: np.ndarray | None = None):
     """The batch sampler for this rank: its share of the G classes (or triplets) of a global step.
 
-    The share is ``G / W``, or ``ceil``/``floor`` of it when W does not divide G.
+    The share is ``G / W``, or ``ceil``/``floor`` of it when W does not divide G. ``shard_ids``
+    (:func:`shard_ids_of` the training data) feeds ``sampler.args.locality: shard``.
     """
     try:
-        return SAMPLERS[sampler.name](sampler, labels, world_size, rank, seed)
+        return SAMPLERS[sampler.name](sampler, labels, world_size, rank, seed, shard_ids)
     except TypeError as error:
         raise ConfigError(f"sampler.args: {error}") from None
     except ValueError as error:

@@ -32,7 +32,7 @@ from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
 from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible, raise_together
-from pksampler.train.builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule
+from pksampler.train.builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of
 from pksampler.train.engine.checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
                          load_checkpoint)
 from pksampler.train.engine.datacheck import IndexDigestHook
@@ -64,6 +64,7 @@ from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import elastic_launch, run_elastic
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
+from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
 from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
@@ -114,7 +115,8 @@ def _prepare(config: RunConfig, backend: Backend, elastic: bool) -> tuple[Worksp
         if backend.rank == 0:
             lock = prepare_workspace(Path(config.workspace))
         data = build_data(config)
-        sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed)
+        sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed,
+                                shard_ids=shard_ids_of(data.train))
     except ConfigError as caught:
         error = caught
     try:
@@ -198,7 +200,8 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
                         grad_divisor=divisor)
-    return HeadedLoss(pair, module, rows, weight=head.weight)
+    neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
+    return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck)
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
@@ -401,7 +404,8 @@ def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts) -> Call
     backend = trainer.parts.backend
     return lambda: run_elastic(
         trainer, commit_every=config.train.commit_every,
-        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed),
+        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed,
+                                                         shard_ids=shard_ids_of(data.train)),
         gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
         before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
 

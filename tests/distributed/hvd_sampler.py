@@ -21,6 +21,7 @@ from pksampler.comm import broadcast_object
 from pksampler.samplers import (
     DistributedBalancedBatchSampler,
     DistributedTripletBatchSampler,
+    PlanOptions,
     SamplerMismatchError,
     balanced_plan,
     check_consistent,
@@ -62,6 +63,24 @@ def check_triplets_on_real_ranks(labels: np.ndarray, rank: int) -> None:
     check_triplet_ranks(everyone)
 
 
+def check_shard_local_on_real_ranks(size: int) -> None:
+    """locality="shard" on real ranks: the gathered batches are the single-process global steps."""
+    labels = np.repeat(np.arange(97), 31)  # stored class by class
+    shards = labels // 6
+    kwargs = {"samples_per_class": 3, "seed": 5, "locality": "shard", "shard_ids": shards, "window": 8}
+    sampler = DistributedBalancedBatchSampler(labels, classes_per_step=2 * size + 1, **kwargs)
+    sampler.set_epoch(1)
+    check_consistent(sampler)
+    mine = torch.tensor(np.array(list(sampler)), dtype=torch.int64)
+    widths = hvd.allgather_object(mine.shape[1])
+    padded = torch.nn.functional.pad(mine, (0, max(widths) - mine.shape[1]), value=-1)
+    everyone = [rows.numpy()[:, :width] for rows, width in zip(hvd.allgather(padded[None]), widths)]
+    single = DistributedBalancedBatchSampler(labels, classes_per_step=2 * size + 1, num_replicas=1, rank=0, **kwargs)
+    single.set_epoch(1)
+    np.testing.assert_array_equal(np.concatenate(everyone, axis=1), np.array(list(single)))
+    check_disjoint_across_ranks(everyone, labels)
+
+
 def main() -> None:
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
@@ -73,12 +92,13 @@ def main() -> None:
     check_consistent(sampler)
     mine = torch.tensor(np.array(list(sampler)), dtype=torch.int64)
     everyone = [rows.numpy() for rows in hvd.allgather(mine[None])]  # W arrays (steps, P*K)
-    single = balanced_plan(group_labels(labels), 4 * size, 3, 1, 0, seed=11, epoch=2)
+    single = balanced_plan(group_labels(labels), 4 * size, 3, 1, 0, PlanOptions(seed=11, epoch=2))
     for batches in everyone:
         check_rank_batches(batches, labels, 4, 3)
     check_disjoint_across_ranks(everyone, labels)
     check_world_invariance(everyone, single)
     check_triplets_on_real_ranks(labels, rank)
+    check_shard_local_on_real_ranks(size)
 
     bad = DistributedBalancedBatchSampler(labels, 4, 3, seed=11 + rank)
     try:

@@ -1,4 +1,8 @@
-"""The sharded head in real processes: horovodrun -np 2 and torchrun -np 3 log the loss trace of one process."""
+"""The sharded head in real processes: horovodrun -np 2 and torchrun -np 3 log the loss trace of one process.
+
+With and without the BNNeck (``head.bnneck``): the neck's scale is trained by the dense optimizer (Horovod
+averages it, torchrun's DDP does not see it), so both launchers check its gradient's scale too.
+"""
 
 from __future__ import annotations
 
@@ -32,9 +36,10 @@ def losses(workspace: Path) -> np.ndarray:
     return np.array([record["loss"] for record in map(json.loads, lines) if record.get("type") == "step"])
 
 
-def test_one_two_and_three_ranks_log_the_same_loss_trace(tmp_path):
+@pytest.mark.parametrize("bnneck", [False, True])
+def test_one_two_and_three_ranks_log_the_same_loss_trace(tmp_path, bnneck):
     config = tmp_path / "run.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
+    config.write_text(yaml.safe_dump({**CONFIG, "head": {**CONFIG["head"], "bnneck": bnneck}}))
     one = subprocess.run([sys.executable, str(SCRIPT), "--config", str(config), "--set", f"workspace={tmp_path / 'one'}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
@@ -45,5 +50,10 @@ def test_one_two_and_three_ranks_log_the_same_loss_trace(tmp_path):
         assert f"rows/rank={-(-30 // ranks)}" in result.stdout
     reference = losses(tmp_path / "one")
     assert reference.size == 6 and np.ptp(reference) > 1e-3
+    # with the neck, the first epoch (3 steps) agrees within 1e-5 (a wrong scale of the neck's gradient is off by
+    # 1e-3 at step 2); later steps drift apart to ~5e-4 (docs/sharded-head.md, "Not done yet")
+    steps = 3 if bnneck else reference.size
     for launcher in ("horovodrun", "torchrun"):
-        assert np.allclose(losses(tmp_path / launcher), reference, rtol=1e-5, atol=0), (launcher, reference)
+        trace = losses(tmp_path / launcher)
+        assert np.allclose(trace[:steps], reference[:steps], rtol=1e-5, atol=0), (launcher, trace, reference)
+        assert np.allclose(trace, reference, rtol=1e-3, atol=0), (launcher, trace, reference)

@@ -25,7 +25,7 @@ from sampler_invariants import (
 )
 
 from pksampler import DistributedBalancedSampler
-from pksampler.samplers import DistributedBalancedBatchSampler, balanced_plan, group_labels
+from pksampler.samplers import DistributedBalancedBatchSampler, PlanOptions, balanced_plan, group_labels
 from pksampler.samplers.pk_plan import cap_counts, chunk_counts, eligible_classes
 
 
@@ -293,7 +293,7 @@ def test_pure_plan_matches_sampler():
     for rank in range(3):
         sampler = DistributedBalancedBatchSampler(labels, 2, 3, num_replicas=3, rank=rank, seed=4)
         sampler.set_epoch(2)
-        plan = balanced_plan(index, 2, 3, 3, rank, seed=4, epoch=2)
+        plan = balanced_plan(index, 2, 3, 3, rank, PlanOptions(seed=4, epoch=2))
         assert np.array_equal(plan, np.array(list(sampler)))
 
 

@@ -28,6 +28,8 @@ from pksampler.samplers import (
     DistributedBalancedSampler,
     DistributedTripletBatchSampler,
     DistributedTripletSampler,
+    PlanOptions,
+    TripletOptions,
     balanced_plan,
     check_consistent,
     group_labels,
@@ -161,7 +163,7 @@ def test_pure_plan_splits_like_the_sampler():
     for rank in range(4):
         sampler = DistributedBalancedBatchSampler(labels, samples_per_class=2, classes_per_step=10, num_replicas=4,
                                                   rank=rank, seed=3)
-        plan = balanced_plan(group_labels(labels), None, 2, 4, rank, seed=3, classes_per_step=10)
+        plan = balanced_plan(group_labels(labels), None, 2, 4, rank, PlanOptions(seed=3), classes_per_step=10)
         np.testing.assert_array_equal(plan, np.asarray(list(sampler)))
 
 
@@ -252,7 +254,7 @@ def test_triplet_forms_and_pure_plan_agree_on_an_uneven_split():
         assert flat.batch_size == batch.batch_size == 3 * (3 if rank < 2 else 2)
         assert batch.rank_batch_sizes == (9, 9, 6) and batch.global_batch_size == 24
         assert list(flat) == [i for b in batch for i in b] and len(flat) == len(batch) * flat.batch_size
-        plan = triplet_batches(index, anchor_index(index), None, 3, rank, seed=4, epoch=0, triplets_per_step=8)
+        plan = triplet_batches(index, anchor_index(index), None, 3, rank, TripletOptions(seed=4, epoch=0), triplets_per_step=8)
         np.testing.assert_array_equal(plan.reshape(plan.shape[0], -1), np.asarray(list(batch)))
 
 

@@ -18,7 +18,8 @@ from torch.nn import functional as F
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead, sampled, shard_range
-from pksampler.train.solver.sparse_rows import SparseRowSGD
+from pksampler.train.modeling.bnneck import BNNeck
+from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
 
 C, D, N = 50, 8, 24
 
@@ -225,3 +226,126 @@ def test_head_config_keys_are_checked():
         load_config(None, ["head.name=arc"], environ={})
     with pytest.raises(ConfigError, match=r"head.subcentres: must be an integer in \[1, 16\], got 0"):
         load_config(None, ["head.subcentres=0"], environ={})
+
+
+# --- BNNeck: the head reads batch-normalised embeddings, the pair loss the embeddings ----------------------------
+class _CentreDistance(torch.nn.Module):
+    """A pair loss of one learnable number (so the wrapped pair loss has parameters and state of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.margin = torch.nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        same = labels[:, None] == labels[None, :]
+        distance = torch.cdist(embeddings, embeddings)
+        return (distance[same].mean() - distance[~same].mean() + self.margin).relu()
+
+
+def neck_step(world: int, spec: HeadSpec, embeddings: torch.Tensor, labels: torch.Tensor):
+    """One trainer-like step per rank: loss × W backward on the gathered batch; loss, embedding and neck gradients."""
+
+    def work(group):
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head, grad_divisor=world), weight=0.7,
+                             neck=BNNeck(D, grad_divisor=world))
+        leaf = embeddings.clone().requires_grad_(True)
+        loss = loss_fn(leaf, labels)
+        (loss * world).backward()
+        neck = loss_fn.neck.norm
+        return float(loss.detach()), leaf.grad / world, neck.weight.grad.clone(), neck.bias.grad, loss_fn
+
+    return run_ranks(world, work)
+
+
+def test_bnneck_the_head_reads_the_normalised_embeddings_and_the_pair_loss_the_embeddings():
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
+    embeddings, labels = inputs(5)
+    (loss, _, _, bias_grad, loss_fn), = neck_step(1, spec, embeddings, labels)
+    normalised = (embeddings - embeddings.mean(0)) / torch.sqrt(embeddings.var(0, unbiased=False) + 1e-5)
+    head = ShardedMarginHead(C, D, spec, run_ranks(1, lambda group: group)[0], seed=1)
+    with torch.no_grad():
+        expected = float(_CentreDistance()(embeddings, labels) + 0.7 * head(normalised, labels))
+        without = float(_CentreDistance()(embeddings, labels) + 0.7 * head(embeddings, labels))
+    assert abs(loss - expected) <= 1e-6 * abs(expected)
+    assert abs(without - expected) > 1e-3  # the neck changes what the head sees
+    assert bias_grad is None and [p.shape for p in loss_fn.parameters()] == [(), (D,)]  # bias frozen, scale trained
+
+
+def test_bnneck_loss_and_gradients_are_the_same_at_one_two_and_three_ranks():
+    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=20, subcentres=2)
+    embeddings, labels = inputs(6)
+    (loss, grad, neck_grad, _, _), = neck_step(1, spec, embeddings, labels)
+    assert float(neck_grad.norm()) > 0
+    for world in (2, 3):
+        for rank_loss, rank_grad, rank_neck_grad, _, _ in neck_step(world, spec, embeddings, labels):
+            assert abs(rank_loss - loss) <= 1e-6 * abs(loss)
+            assert float((rank_grad - grad).norm() / grad.norm()) <= 1e-6
+            # every rank holds the whole gradient: Horovod's average and torchrun's none leave it as at W = 1
+            assert float((rank_neck_grad - neck_grad).norm() / neck_grad.norm()) <= 1e-6
+
+
+def test_bnneck_state_is_saved_loads_with_weights_only_and_must_match(tmp_path):
+    spec = HeadSpec(name="softmax", scale=16.0, negatives=20)
+    embeddings, labels = inputs(7)
+
+    def save(group):
+        (_, _, _, _, loss_fn), = neck_step(1, spec, embeddings, labels)
+        with torch.no_grad():
+            loss_fn.neck.norm.weight.mul_(3.0)
+        return loss_fn.state_dict()
+
+    torch.save(run_ranks(1, save)[0], tmp_path / "loss.pt")
+    saved = torch.load(tmp_path / "loss.pt", weights_only=True)
+
+    def load(group, *, neck: bool):
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head), weight=1.0, neck=BNNeck(D) if neck else None)
+        loss_fn.load_state_dict(saved)
+        return loss_fn
+
+    loaded = run_ranks(3, lambda group: load(group, neck=True))
+    assert all(torch.equal(l.neck.norm.weight, torch.full((D,), 3.0)) for l in loaded)
+    with pytest.raises(ValueError, match="the checkpoint's head has BNNeck, this run's head.bnneck is False"):
+        run_ranks(1, lambda group: load(group, neck=False))
+
+
+def test_bnneck_config_key_is_checked():
+    assert load_config(None, ["head.name=arcface", "head.bnneck=true"], environ={}).head.bnneck is True
+    assert load_config(None, [], environ={}).head.bnneck is False
+    with pytest.raises(ConfigError, match=r"head.bnneck: expected true or false, got 1"):
+        load_config(None, ["head.bnneck=1"], environ={})
+    with pytest.raises(ValueError, match="needs at least 2 embeddings, got 1"):
+        BNNeck(D)(torch.ones(1, D))
+
+
+def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
+    """12 steps of pair loss + head through the neck: rows (momentum, lazy decay, a settle at step 6) and the neck's
+    scale (torch SGD) trained at W = 1, 2, 3, each rank's loss scaled by W as the trainer does."""
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=8, subcentres=2)
+
+    def work(group):
+        world = group.size
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01, grad_divisor=world)
+        loss_fn = HeadedLoss(_CentreDistance(), head, rows, weight=1.0, neck=BNNeck(D, grad_divisor=world))
+        optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.5, momentum=0.9)
+        trace = []
+        for step in range(12):
+            embeddings, labels = inputs(200 + step)
+            loss = loss_fn(embeddings, labels)
+            (loss * world).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            rows.step(0.5)
+            trace.append(float(loss.detach()))
+            if step == 5:
+                loss_fn.state_dict()  # a checkpoint settles every row's decay
+        return np.array(trace), loss_fn.neck.norm.weight.detach().clone()
+
+    (reference, scale), = run_ranks(1, work)
+    assert float((scale - 1).abs().max()) > 1e-3  # the neck's scale trains
+    for world in (2, 3):
+        for trace, rank_scale in run_ranks(world, work):
+            assert np.allclose(trace, reference, rtol=1e-6, atol=0), (world, trace, reference)
+            assert torch.allclose(rank_scale, scale, rtol=1e-6, atol=1e-7)

@@ -152,7 +152,8 @@ class HeadConfig:
     or ``softmax`` (normalised softmax, no margin). Each step samples its
     positives and about ``negatives`` other classes by a hash of (seed, step,
     class), the same at every world size; the total loss is the pair loss +
-    ``weight`` × the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
+    ``weight`` × the head's; ``bnneck`` puts a batch normalisation (zero
+    frozen bias) between the pair loss's embeddings and the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
     ``optim.weight_decay``) at the head group's learning rate.
     """
 
@@ -163,6 +164,8 @@ class HeadConfig:
     negatives: int = _rule(8192, rules.positive_int)
     subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
     weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
+    # BNNeck (BoT): the head reads batch-normalised embeddings; the pair loss and retrieval read them before it
+    bnneck: bool = _rule(False, rules.boolean)
 
 
 @dataclass(frozen=True)
@@ -207,9 +210,9 @@ class TrainConfig:
     # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
     collective_timeout: float = _rule(300.0, rules.closed_interval(1.0, 7 * 86400.0), resumable=True)
     # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
-    # (Horovod tensor fusion off, deterministic torch kernels; see train/device.py).
+    # (Horovod tensor fusion off, deterministic torch kernels; see train/runtime/device.py).
     deterministic: bool = _rule(False, rules.boolean, resumable=True)
-    # Horovod elastic: in-memory commit every N global steps (train/elastic.py)
+    # Horovod elastic: in-memory commit every N global steps (train/engine/elastic.py)
     commit_every: int = _rule(10, rules.positive_int, resumable=True)
 
 
@@ -266,7 +269,7 @@ def validate(config: Any, prefix: str = "") -> None:
 def _validate_combinations(config: RunConfig) -> None:
     """Rules that relate two keys."""
     sampler, loss = config.sampler, config.loss
-    if config.data.root:
+    if config.data.root and not config.data.root.startswith("s3://"):
         root, workspace = Path(config.data.root).resolve(), Path(config.workspace).resolve()
         if workspace == root or root in workspace.parents:
             raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "

@@ -27,7 +27,7 @@ from pksampler.datasets import ImageLoadError, LabelledSubset
 from pksampler.datasets.transforms import apply_transform, sample_rng
 
 from pksampler.train.runtime.distributed import Backend
-from pksampler.train.runtime.loader import to_model_input
+from pksampler.train.runtime.loader import worker_context, to_model_input
 from pksampler.train.evaluation.metrics import evaluate_retrieval
 from pksampler.train.evaluation.render import save_gallery_png
 from pksampler.train.errors import ConfigError
@@ -49,7 +49,7 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
     mine = np.arange(backend.rank, count, backend.size)
     mine = np.concatenate([mine, np.full(per_rank - mine.size, mine[-1] if mine.size else 0)]).astype(np.int64)
     loader = DataLoader(Subset(dataset, mine.tolist()), batch_size=batch_size, num_workers=workers,
-                        pin_memory=setup.pin_memory)
+                        pin_memory=setup.pin_memory, multiprocessing_context=worker_context(dataset, workers))
     parts = []
     model.eval()
     with torch.no_grad():

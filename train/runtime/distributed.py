@@ -125,6 +125,15 @@ class Backend:
         """Turn a collective's timeout into :class:`CollectiveTimeout` naming the ranks behind (torchrun)."""
 
 
+def _named_parameters(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[str, nn.Parameter]]:
+    """The model's named parameters and, named ``loss.<i>`` in group order, the optimizer's others (a loss's own
+    parameters, the head's BNNeck): Horovod's optimizer refuses a parameter it cannot name."""
+    named = list(model.named_parameters())
+    known = {id(parameter) for _, parameter in named}
+    others = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in known]
+    return named + [(f"loss.{index}", parameter) for index, parameter in enumerate(others)]
+
+
 class HorovodBackend(Backend):
     """Horovod: ``hvd.init``, ring-allreduce in ``hvd.DistributedOptimizer`` (NCCL on GPU builds)."""
 
@@ -150,7 +159,7 @@ class HorovodBackend(Backend):
     def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step):
         compression = self.hvd.Compression.fp16 if fp16_allreduce else self.hvd.Compression.none
         optimizer = self.hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), compression=compression,
+            optimizer, named_parameters=_named_parameters(model, optimizer), compression=compression,
             backward_passes_per_step=backward_passes_per_step,
         )
         return model, optimizer

@@ -21,9 +21,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from pksampler.datasets.objectstore import needs_spawn
+
 from pksampler.train.runtime.device import DeviceSetup
 
 __all__ = ["EpochBatches", "KeyedSamples", "TrainLoader", "collate_channels_last", "to_model_input"]
+
+
+def worker_context(dataset: Any, workers: int) -> str | None:
+    """``"spawn"`` for workers over an object store (its client cannot run in a fork), else the default (fork)."""
+    return "spawn" if workers > 0 and needs_spawn(dataset) else None
 
 
 class KeyedSamples(Dataset):
@@ -48,6 +55,13 @@ class KeyedSamples(Dataset):
         """The augmentation key of sample ``index``."""
         index = int(index) % len(self.dataset)
         return int(self._keys[index]) if self._keys is not None else index
+
+    def __getitems__(self, items: list[tuple[int, int]]) -> list[tuple[Any, int, int]]:
+        """A batch: the dataset reads its bytes ahead when it can (one request per run of a shard), then each item."""
+        prefetch = getattr(self.dataset, "prefetch", None)
+        if prefetch is not None:
+            prefetch([index for _, index in items])
+        return [self[item] for item in items]
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[Any, int, int]:
         epoch, index = item
@@ -118,7 +132,8 @@ class TrainLoader:
         self.batches = EpochBatches(batch_sampler)
         self.loader = DataLoader(KeyedSamples(dataset), batch_sampler=self.batches, num_workers=workers,
                                  collate_fn=collate_channels_last, pin_memory=setup.pin_memory,
-                                 persistent_workers=workers > 0, prefetch_factor=prefetch_factor)
+                                 persistent_workers=workers > 0, prefetch_factor=prefetch_factor,
+                                 multiprocessing_context=worker_context(dataset, workers))
 
     def epoch(self, epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of the sampler's current pass, augmented with the keys of ``epoch``."""

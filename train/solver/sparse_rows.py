@@ -103,30 +103,47 @@ class HeadedLoss:
     trainer after the dense optimizer (:meth:`Trainer.optimizer_step`).
     """
 
-    def __init__(self, pair: Any, head: ShardedMarginHead, row_optimizer: SparseRowSGD, *, weight: float) -> None:
+    def __init__(self, pair: Any, head: ShardedMarginHead, row_optimizer: SparseRowSGD, *, weight: float,
+                 neck: torch.nn.Module | None = None) -> None:
         self.pair, self.head, self.row_optimizer, self.weight = pair, head, row_optimizer, weight
+        self.neck = neck  # BNNeck: the head reads neck(embeddings), the pair loss the embeddings
         self.last_head_loss = torch.zeros(())
 
+    def head_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The head's loss of the gathered batch (through the neck when there is one)."""
+        return self.head(self.neck(embeddings) if self.neck is not None else embeddings, labels)
+
     def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        head_loss = self.head(embeddings, labels)
+        head_loss = self.head_loss(embeddings, labels)
         self.last_head_loss = head_loss.detach()
         return self.pair(embeddings, labels) + self.weight * head_loss
 
     def parameters(self) -> list[torch.nn.Parameter]:
-        return list(self.pair.parameters())
+        neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
+        return list(self.pair.parameters()) + neck
 
     def to(self, device: torch.device | str) -> "HeadedLoss":
         self.pair.to(device)
         self.head.to(device)
+        if self.neck is not None:
+            self.neck.to(device)
         self.row_optimizer.buffer = self.row_optimizer.buffer.to(device)
         return self
 
     def state_dict(self) -> dict[str, Any]:
         """The pair loss's state and the whole head (a collective: every rank calls it together)."""
-        return {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict()}
+        state = {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict()}
+        if self.neck is not None:
+            state["neck"] = self.neck.state_dict()
+        return state
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if "head" not in saved:
             raise ValueError("the checkpoint has no head (head.name was null when it was written)")
         self.pair.load_state_dict(saved["pair"])
         self.row_optimizer.load_state_dict(saved["head"])
+        if (self.neck is not None) != ("neck" in saved):
+            raise ValueError(f"the checkpoint's head {'has' if 'neck' in saved else 'has no'} BNNeck, this run's "
+                             f"head.bnneck is {self.neck is not None}: they must match")
+        if self.neck is not None:
+            self.neck.load_state_dict(saved["neck"])
