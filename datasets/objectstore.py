@@ -15,8 +15,9 @@ module:
   a secret: a pickled store carries the URL alone and rebuilds its client from
   the environment of the process that loads it.
 * **Coalescing.** :meth:`ObjectStore.get_ranges` merges byte ranges of one
-  object that touch or lie within ``gap`` bytes of each other into one GET:
-  a batch's K-chunk of adjacent samples is one request, never a whole-shard
+  object that lie within ``gap`` bytes (1 MiB) of each other into one GET
+  and fetches the runs in parallel: a K-chunk of one class (its samples lie
+  in the class's stretch of a shard) is one request, never a whole-shard
   download.
 * **Errors.** A missing object or a refused credential is one line naming the
   bucket and key (:class:`ObjectStoreError`).
@@ -190,8 +191,10 @@ class ObjectStore:
         self._count(1, len(data))
         return data
 
-    def get_ranges(self, name: str, ranges: Sequence[tuple[int, int]], *, gap: int = 64 * 1024) -> list[bytes]:
-        """The bytes ``[start, end)`` of each range of ``prefix/name``, with one GET per run of nearby ranges."""
+    def get_ranges(self, name: str, ranges: Sequence[tuple[int, int]], *, gap: int = 1 << 20) -> list[bytes]:
+        """The bytes ``[start, end)`` of each range of ``prefix/name``: one GET per run of ranges less than ``gap``
+        bytes apart (a K-chunk of one class, whose samples lie within the class's stretch of the shard), the runs
+        fetched in parallel (up to 10 at a time)."""
         import obstore
 
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
@@ -201,14 +204,17 @@ class ObjectStore:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        out: list[bytes] = [b""] * len(ranges)
+        starts = [min(ranges[i][0] for i in run) for run in runs]
+        ends = [max(ranges[i][1] for i in run) for run in runs]
         client = self._client()
-        for run in runs:
-            start, end = min(ranges[i][0] for i in run), max(ranges[i][1] for i in run)
-            data = self._request(name, lambda: bytes(obstore.get_range(client, self.key(name), start=start, end=end)))
+        fetched = self._request(name, lambda: obstore.get_ranges(client, self.key(name), starts=starts, ends=ends,
+                                                                 coalesce=0))
+        out: list[bytes] = [b""] * len(ranges)
+        for run, start, data in zip(runs, starts, fetched):
+            data = memoryview(data)
             self._count(1, len(data))
             for i in run:
-                out[i] = data[ranges[i][0] - start:ranges[i][1] - start]
+                out[i] = bytes(data[ranges[i][0] - start:ranges[i][1] - start])
         return out
 
     def put(self, name: str, data: bytes) -> None:

@@ -42,6 +42,7 @@ from pksampler.train.engine.events import EventStorage
 from pksampler.train.solver.finetune import FreezeBackboneHook
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
 from pksampler.train.engine.hooks import (
+    ObjectStoreHook,
     BadImageHook,
     CheckpointHook,
     EvaluationHook,
@@ -277,6 +278,9 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
                        every=config.train.eval_every, epochs=parts.epochs, is_main=is_main,
                        gallery=lambda: evaluator.last_gallery),
     ]
+    store = getattr(data.dataset, "store", None)
+    if store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
+        hooks.append(ObjectStoreHook(store, backend, is_main=is_main))
     if is_main:
         hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs))
         if not _horovod_elastic(trainer.parts.backend):  # elastic: lines are written at commits (CommittedMetricsHook)

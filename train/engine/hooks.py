@@ -16,6 +16,7 @@ This module imports :class:`HookBase` from the loop, never the reverse.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ __all__ = [
     "HardNegativeHook",
     "HookBase",
     "MetricsLogHook",
+    "ObjectStoreHook",
     "ProgressHook",
     "TensorBoardHook",
 ]
@@ -242,6 +244,35 @@ class BadImageHook(HookBase):
             raise ConfigError(f"data.max_bad_fraction: {bad} of {total} images ({bad / total:.2%}) could not be "
                               f"decoded in epoch {epoch}, more than the allowed {self.max_fraction:.2%}: the data "
                               "looks broken (paths above); fix it or raise data.max_bad_fraction")
+
+
+class ObjectStoreHook(HookBase):
+    """After each epoch: the object store's GETs, bytes, GET/s and their cost, summed over ranks and workers.
+
+    Read from the store's shared counters (:meth:`pksampler.datasets.objectstore.ObjectStore.counts`), written to
+    ``metrics.jsonl`` as an ``objectstore`` record (run totals) and printed by rank 0. No credential is involved.
+    """
+
+    def __init__(self, store: Any, backend: Any, *, is_main: bool) -> None:
+        self.store, self.backend, self.is_main = store, backend, is_main
+        self.started = time.monotonic()
+
+    def after_step(self) -> None:
+        if self.trainer.state.stop:  # the run ends here (max_steps): the totals now
+            self.after_epoch()
+
+    def after_epoch(self) -> None:
+        from pksampler.datasets.objectstore import cost_usd
+
+        local = np.array(self.store.counts(), dtype=np.int64)
+        gets, size = (int(v) for v in self.backend.allgather_numpy(local).sum(axis=0))
+        seconds = max(time.monotonic() - self.started, 1e-9)
+        if self.is_main:
+            state = self.trainer.state
+            self.trainer.storage.put_record("objectstore", epoch=state.epoch, global_step=state.global_step, gets=gets,
+                                            bytes=size, gets_per_s=gets / seconds, cost_usd=cost_usd(gets))
+            print(f"[pksampler] object store after epoch {state.epoch}: {gets:,} GETs, {size / 2**20:,.1f} MiB, "
+                  f"{gets / seconds:,.1f} GET/s, ${cost_usd(gets):.4f} at $0.0004 per 1,000 GETs", flush=True)
 
 
 class HardNegativeHook(HookBase):

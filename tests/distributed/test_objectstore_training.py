@@ -1,0 +1,52 @@
+"""``horovodrun -np 2 python train/retrieval.py`` trains from s3:// (a real SeaweedFS) the model it trains from disk."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from launch import ROOT, launch
+
+from pksampler.datasets import SyntheticProducts
+from pksampler.datasets.pack import pack
+from pksampler.datasets.upload import upload
+
+pytestmark = pytest.mark.horovod
+SCRIPT = ROOT / "train" / "retrieval.py"
+
+
+def test_training_from_the_object_store_equals_training_from_the_local_shards(tmp_path, seaweed):
+    folder = tmp_path / "folder"
+    synthetic = SyntheticProducts(num_classes=16, images_per_class=6, image_size=32)
+    for index in range(len(synthetic)):
+        cls, view = divmod(index, 6)
+        path = folder / synthetic.classes[cls] / f"{view:05d}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        synthetic.render(index).save(path, format="PNG")
+    pack(folder, tmp_path / "shards", shard_size="96KB")
+    environment = {**seaweed.environment(), "PKSAMPLER_CACHE": str(tmp_path / "cache")}
+    os.environ.update(environment)
+    upload(tmp_path / "shards", "s3://pksampler-test/train/demo")
+    config = {"seed": 1, "data": {"name": "shards", "args": {}, "test_fraction": 0.25, "image_size": 24, "workers": 1},
+              "sampler": {"classes_per_step": 4, "samples_per_class": 3},
+              "model": {"width": 8, "depth": [1], "embedding_dim": 16},
+              "train": {"epochs": 1, "max_steps": 4, "checkpoint_every": 0, "eval_every": 1, "tensorboard": False}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    runs = {"local": str(tmp_path / "shards"), "remote": "s3://pksampler-test/train/demo"}
+    for name, root in runs.items():
+        result = launch("horovodrun", SCRIPT, "--config", str(path), "--set", f"data.root={root}",
+                        "--set", f"workspace={tmp_path / name}", env=environment, timeout=400)
+        assert result.returncode == 0, result.stdout[-4000:]
+        assert environment["AWS_SECRET_ACCESS_KEY"] not in result.stdout
+    local, remote = (torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in runs)
+    assert all(torch.equal(local["model"][k], remote["model"][k]) for k in local["model"])
+    records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
+    accounting = [r for r in records if r.get("type") == "objectstore"]
+    assert accounting and accounting[-1]["gets"] > 0 and accounting[-1]["cost_usd"] > 0
+    for written in (tmp_path / "remote").rglob("*"):  # no secret in the config dump, metrics or checkpoints
+        if written.is_file():
+            assert environment["AWS_SECRET_ACCESS_KEY"].encode() not in written.read_bytes(), written
