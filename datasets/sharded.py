@@ -419,6 +419,11 @@ def _read_manifest(root: Path) -> dict[str, Any]:
         if not isinstance(name, str) or not _SHARD_NAME.match(name) or ".." in name:
             raise ValueError(f"ShardedDataset: {path} lists shard {name!r}; shard names must be plain file "
                              f"names matching {_SHARD_NAME.pattern} (no '/', '..' or absolute paths)")
+    names = [entry["name"] for entry in manifest["shards"]]
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # shard ids index this list: a repeated file would serve another shard's byte ranges
+        raise ValueError(f"ShardedDataset: {path} lists shard file(s) {repeated} more than once; each shard id "
+                         "must name its own file")
     return manifest
 
 

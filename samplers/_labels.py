@@ -148,6 +148,13 @@ def _dense_range(array: np.ndarray) -> tuple[int, int] | None:
     return (low, high) if high - low <= 4 * array.shape[0] + 1024 else None
 
 
+def _offsets(chunk: np.ndarray, low: int) -> np.ndarray:
+    """``chunk - low`` as int64 without overflow: uint64 labels >= 2**63 are subtracted in uint64 first."""
+    if chunk.dtype == np.uint64:
+        return (chunk - np.uint64(low)).astype(np.int64)
+    return chunk.astype(np.int64) - low
+
+
 def _stable_order(codes: np.ndarray, num_classes: int) -> np.ndarray:
     """Stable argsort of class codes: numpy's radix sort on 16-bit keys, two passes above 2**16 classes."""
     if num_classes <= 1 << 16:
@@ -242,14 +249,14 @@ def group_labels(labels: Any, *, owner: str = "group_labels") -> ClassIndex:
     dense = _dense_range(array)
     if dense is not None:
         low, high = dense
-        present = np.bincount(array - low if low else array, minlength=high - low + 1)
-        values = np.flatnonzero(present) + low
+        present = np.bincount(_offsets(array, low), minlength=high - low + 1)
+        values = np.flatnonzero(present)
+        values = values.astype(np.uint64) + np.uint64(low) if high >= 2**63 else values + low
         lookup = (np.cumsum(present > 0) - 1).astype(index_dtype)
 
         def blocks() -> Iterator[tuple[int, np.ndarray]]:
             for first in range(0, n, _BLOCK):
-                chunk = array[first:first + _BLOCK]
-                yield first, lookup[chunk - low if low else chunk]
+                yield first, lookup[_offsets(array[first:first + _BLOCK], low)]
 
         sizes = present[present > 0].astype(index_dtype)
         del present

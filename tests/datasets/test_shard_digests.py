@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -149,3 +150,15 @@ def test_write_index_refuses_labels_that_are_not_class_codes(tmp_path, labels):
     with pytest.raises(ValueError, match=r"write_index\(labels=\) must be integer class codes in \[0, 2\)"):
         write_index(tmp_path, np.zeros(2, dtype=INDEX_DTYPE), labels, classes=["a", "b"], shards=[])
     assert not (tmp_path / "manifest.json").exists()
+
+
+def test_a_manifest_that_lists_one_shard_file_twice_is_refused_at_open(tmp_path):
+    same_size_source(tmp_path / "src")
+    root = tmp_path / "shards"
+    manifest = pack(tmp_path / "src", root, shard_size="8KB")
+    assert len(manifest["shards"]) == 2
+    # shard 1's entry replaced by shard 0's (name, size, digests): every check of the file itself passes
+    manifest["shards"] = [manifest["shards"][0], dict(manifest["shards"][0])]
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match=r"manifest.json lists shard file\(s\) \['shard-000000.tar'\] more than once"):
+        ShardedDataset(root)

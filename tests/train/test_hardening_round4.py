@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pksampler.train.config.agreement import check_ranks_agree, flatten
 from pksampler.train.config.load import load_config
@@ -106,3 +107,50 @@ def test_no_resume_in_a_used_workspace_leaves_nothing_of_the_old_run(tmp_path):
     assert _step_lines(tmp_path / "run") == [1, 2] and old_steps > 2
     assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
     assert not (tmp_path / "run" / "final_metrics.json").exists()
+
+
+@pytest.mark.parametrize("key, value", [("epoch", "3"), ("global_step", 2.5), ("consumed", -1), ("epoch", True)])
+def test_a_checkpoint_whose_state_counters_are_not_whole_numbers_is_refused_naming_the_key(tmp_path, key, value):
+
+    from pksampler.train.engine.checkpoint import CheckpointError, check_training_checkpoint
+
+    saved = {"model": {"weight": torch.zeros(2)}, "optimizer": {}, "scheduler": {}, "loss": {}, "sampler": {},
+             "config": {}, "state": {"epoch": 1, "global_step": 4, "consumed": 0, key: value}}
+    path = tmp_path / "last.pt"
+    with pytest.raises(CheckpointError, match=rf"{path}: state\.{key} must be a whole number >= 0, it holds"):
+        check_training_checkpoint(saved, path)
+    saved["state"][key] = 1
+    check_training_checkpoint(saved, path)  # the same file with a whole number loads
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update({7: torch.zeros(1)}), r"tensor names must be strings, found 7"),
+    (lambda s: s.update({"conv1.weight": torch.empty(64, 3, 7, 7, device="meta")}),
+     r"tensors must be dense and hold values, found conv1\.weight \(meta\)"),
+    (lambda s: s.update({"conv1.weight": torch.zeros(64, 3, 7, 7).to_sparse()}),
+     r"tensors must be dense and hold values, found conv1\.weight \(torch\.sparse_coo\)"),
+])
+def test_pretrained_files_with_odd_names_or_tensors_are_refused_in_one_line(tmp_path, change, message):
+    from pksampler.train.modeling.pretrained import load_backbone_weights
+    from pksampler.train.modeling.resnet import resnet
+
+    backbone = resnet("resnet18")
+    state = dict(backbone.state_dict())
+    change(state)
+    path = tmp_path / "weights.pth"
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match=rf"model\.pretrained: {path}: {message}"):
+        load_backbone_weights(backbone, path)
+
+
+def test_a_vit_pos_embed_holding_only_the_class_token_is_named_as_mis_shaped(tmp_path):
+    from pksampler.train.modeling.pretrained import load_backbone_weights
+    from pksampler.train.modeling.vit import vit
+
+    backbone = vit("vit_small_patch16", image_size=32)
+    state = dict(backbone.state_dict())
+    state["pos_embed"] = state["pos_embed"][:, :1].clone()
+    path = tmp_path / "weights.pth"
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match=r"1 of another shape: pos_embed \(file \(1, 1, 384\)"):
+        load_backbone_weights(backbone, path)

@@ -109,10 +109,25 @@ def check_training_checkpoint(state: dict[str, Any], path: str | os.PathLike) ->
             raise CheckpointError(f"checkpoint {path}: section {key!r} must be a {kind.__name__}, it holds {found}; "
                                   "the file is damaged or not a pksampler training checkpoint: start afresh with "
                                   "--no-resume or another WORKSPACE")
+    _check_state_section(state["state"], path)
     for name, value in state["model"].items():
         if not isinstance(value, torch.Tensor):
             raise CheckpointError(f"checkpoint {path}: model entry {name!r} is a {type(value).__name__}, not a tensor; "
                                   "start afresh with --no-resume or another WORKSPACE")
+#: the loop's position in a checkpoint's ``state`` section: counters the resumed loop does arithmetic on
+_STATE_COUNTERS = ("epoch", "global_step", "consumed")
+
+
+def _check_state_section(section: dict[str, Any], path: str | os.PathLike) -> None:
+    """Refuse a ``state`` section whose counters are not whole numbers >= 0 (a string ``epoch`` gave a traceback)."""
+    for key in _STATE_COUNTERS:
+        value = section.get(key, 0)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise CheckpointError(f"checkpoint {path}: state.{key} must be a whole number >= 0, it holds "
+                                  f"{value!r} ({type(value).__name__}); the file is damaged or not a pksampler "
+                                  "training checkpoint: start afresh with --no-resume or another WORKSPACE")
+
+
 def host_copy(value: Any) -> Any:
     """A storable copy of ``value`` that shares no memory with it: tensors copied to the CPU, containers rebuilt.
 

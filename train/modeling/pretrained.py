@@ -87,9 +87,16 @@ def _unwrap(state: Any, path: Path) -> dict[str, torch.Tensor]:
     if not isinstance(state, Mapping) or not state:
         raise ConfigError(f"{_KEY}: {path} holds no state dict (a mapping of tensor names to tensors, or a "
                           f"checkpoint with one under 'state_dict' or 'model')")
+    names = [repr(k) for k in state if not isinstance(k, str)]
+    if names:
+        raise ConfigError(f"{_KEY}: {path}: tensor names must be strings, found {_listed(names)}")
     wrong = [str(k) for k, v in state.items() if not isinstance(v, torch.Tensor)]
     if wrong:
         raise ConfigError(f"{_KEY}: {path}: entries that are not tensors: {', '.join(wrong[:_SHOWN])}")
+    odd = [f"{k} ({'meta' if v.is_meta else v.layout})" for k, v in state.items()
+           if v.is_meta or v.layout != torch.strided]
+    if odd:  # a meta tensor holds no values; sparse ones do not load into a module's dense parameters
+        raise ConfigError(f"{_KEY}: {path}: tensors must be dense and hold values, found {_listed(odd)}")
     return dict(state)
 
 

@@ -97,7 +97,7 @@ def resample_pos_embed(pos_embed: torch.Tensor, grid: tuple[int, int], *, prefix
     """
     prefix, patches = pos_embed[:, :prefix_tokens], pos_embed[:, prefix_tokens:]
     side = math.isqrt(patches.shape[1])
-    if side * side != patches.shape[1]:
+    if side == 0 or side * side != patches.shape[1]:  # 0: only the prefix tokens were stored
         raise ValueError(f"pos_embed holds {patches.shape[1]} patch positions, not a square grid")
     if (side, side) == tuple(grid):
         return pos_embed
