@@ -32,7 +32,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FREE_FORM = {"data.args", "data.augment", "sampler.args", "loss.args", "loss.miner", "loss.memory"}
 #: manual pages linked before their text is merged; a link to one may dangle only while the page is absent,
 #: and each must be linked from docs/index.md (empty this set once the pages are on main)
-FORTHCOMING = {"docs/shard-local-plan.md", "docs/object-store.md", "docs/many-machines-failures.md"}
+FORTHCOMING: set[str] = set()  # pages linked before they exist (none now)
 
 
 def blocks(page: Path, language: str) -> list[str]:
