@@ -34,7 +34,7 @@ from typing import Iterator
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pksampler.train.engine.trainer import Trainer, gather_batch
+from pksampler.train.engine.trainer import Trainer
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
 
@@ -100,18 +100,8 @@ class CachedTrainer(Trainer):
 
     def _embedding_gradient(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The (scaled) loss's gradient with respect to this rank's embeddings, through the all-gather."""
-        parts = self.parts
         local = embeddings.detach().requires_grad_(True)
-        gathered, labels = local, labels
-        scale = 1.0
-        if parts.gather:
-            gathered, labels = gather_batch(parts.backend, local, labels)
-            scale = parts.backend.gathered_loss_scale
-        loss = parts.loss_fn(gathered, labels)
-        scaled = loss * (scale / parts.passes)
-        (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
-        self._last_loss = loss.detach()
-        self._embeddings_finite = torch.isfinite(gathered.detach()).all()
+        self.loss_backward(local, labels)  # the plain step's loss and backward, stopping at the embeddings
         return local.grad
 
     def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, *, reduce: bool) -> None:

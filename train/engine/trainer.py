@@ -251,15 +251,23 @@ class Trainer:
         with context:
             with setup.autocast():
                 embeddings = parts.train_model(setup.to_device(images))
-            embeddings = embeddings.float()
-            labels = labels.to(setup.device, non_blocking=True)
-            scale = 1.0
-            if parts.gather:
-                embeddings, labels = gather_batch(parts.backend, embeddings, labels)
-                scale = parts.backend.gathered_loss_scale
-            loss = parts.loss_fn(embeddings, labels)
-            scaled = loss * (scale / parts.passes)
-            (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
+            self.loss_backward(embeddings.float(), labels.to(setup.device, non_blocking=True))
+
+    def loss_backward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
+        """The loss of the (gathered) global batch, backpropagated into this rank's ``embeddings``.
+
+        Scaled for the all-gather's backward (``gathered_loss_scale``), the
+        accumulation window and the fp16 GradScaler; keeps the loss and whether
+        the embeddings were finite for :meth:`optimizer_step`.
+        """
+        parts = self.parts
+        scale = 1.0
+        if parts.gather:
+            embeddings, labels = gather_batch(parts.backend, embeddings, labels)
+            scale = parts.backend.gathered_loss_scale
+        loss = parts.loss_fn(embeddings, labels)
+        scaled = loss * (scale / parts.passes)
+        (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
         self._last_loss = loss.detach()
         # A loss can stay finite on NaN embeddings (multi_similarity compares them: every comparison is False).
         self._embeddings_finite = torch.isfinite(embeddings.detach()).all()
