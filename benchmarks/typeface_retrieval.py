@@ -163,7 +163,6 @@ class BatchCounts:
 
 def batch_counts(name: str, sampler_config, labels: np.ndarray, world_size: int, seed: int) -> BatchCounts:
     """Walk epoch 0 of sampler ``name`` on every rank and count positives in each global batch."""
-    register_baseline_samplers()
     build = {"pk": _pk_batches, "random": random_batches, "mperclass": mperclass_batches}[name]
     ranks = 1 if name == "mperclass" else world_size
     streams = []

@@ -158,13 +158,13 @@ def test_fine_tuning_options_survive_resume_and_match_an_uninterrupted_run(tmp_p
     assert groups[1]["lr"] == pytest.approx(0.5 * groups[0]["lr"]) and groups[1]["lr"] > 0
 
 
-def test_the_readme_fine_tuning_snippet_is_a_valid_config(tmp_path):
+def test_the_documented_fine_tuning_snippet_is_a_valid_config(tmp_path):
     import re
 
     import yaml
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", readme, flags=re.S) if "backbone: resnet50" in b)
+    manual = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", manual, flags=re.S) if "backbone: resnet50" in b)
     tree = yaml.safe_load(snippet)
     weights = tmp_path / "resnet50.pth"
     tree["model"]["pretrained"] = str(weights)
