@@ -7,6 +7,11 @@ P x K batches (K adjacent samples of a class per chunk) through
 folder. Reports samples/s, client CPU per GET (process CPU time / GETs) and
 the time from the server answering to the first batch.
 
+Then one epoch of the shard-local plan (``locality="shard"``, P x K, window
+``--window``), read from the store by the coalescing reader and through the
+node-local block cache (``block_cache``, blocks of ``--block-kib``): GETs per
+sample and samples/s of each.
+
 Command::
 
     python benchmarks/objectstore_read.py --classes 200 --per-class 8 --batches 40
@@ -27,6 +32,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from objectstore_server import SeaweedServer  # noqa: E402
 
+from pksampler import DistributedBalancedBatchSampler  # noqa: E402
 from pksampler.datasets import ShardedDataset  # noqa: E402
 from pksampler.datasets.pack import pack  # noqa: E402
 from pksampler.datasets.upload import upload  # noqa: E402
@@ -67,6 +73,8 @@ def main() -> None:
     parser.add_argument("--p", type=int, default=16)
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--batches", type=int, default=40)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--block-kib", type=int, default=4096)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -86,6 +94,17 @@ def main() -> None:
             open_s = time.perf_counter() - opened
             r_wall, r_cpu, r_first = _read(remote, batches)
             gets, _ = remote.store.counts()
+            plan = DistributedBalancedBatchSampler(local.labels, samples_per_class=args.k, classes_per_step=args.p,
+                                                   num_replicas=1, rank=0, seed=0, locality="shard",
+                                                   shard_ids=local.shard_ids, window=args.window)
+            epoch = [list(b) for b in plan]
+            cached = ShardedDataset("s3://bench/shards", block_cache=256 << 20, block_size=args.block_kib << 10,
+                                    cache_dir=tmp / "blocks")
+            shard_rows = {}
+            for name, dataset in (("coalesced", remote), ("block cache", cached)):
+                before = dataset.store.counts()[0]
+                wall, _, _ = _read(dataset, epoch)
+                shard_rows[name] = (dataset.store.counts()[0] - before, wall)
         finally:
             server.stop()
     print(f"server answered after {answered:.2f} s; {samples} samples in {len(batches)} batches of "
@@ -94,6 +113,11 @@ def main() -> None:
     print(f"seaweedfs : {samples / r_wall:9.0f} samples/s, {gets} GETs, {r_cpu / max(gets, 1) * 1e3:.3f} ms CPU per GET, "
           f"first batch {open_s + r_first:.3f} s after opening s3:// (open {open_s:.3f} s)")
     print(f"ratio     : {(samples / r_wall) / (samples / l_wall):.3f} of the local reader's samples/s")
+    read = sum(len(b) for b in epoch)
+    print(f"shard-local plan, one epoch ({len(epoch)} batches, {read} samples, window {args.window}):")
+    for name, (epoch_gets, wall) in shard_rows.items():
+        print(f"  {name:11s}: {epoch_gets:6d} GETs ({epoch_gets / read:.3f} per sample), {read / wall:7.0f} samples/s")
+    print(f"  GETs, coalesced / block cache: {shard_rows['coalesced'][0] / max(shard_rows['block cache'][0], 1):.1f}x")
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ import io
 import json
 import multiprocessing
 import os
-import re
 import sys
 import tarfile
 import time
@@ -57,7 +56,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 from PIL import Image
 
-from pksampler.files import atomic_write_text, atomic_writer, lock_exclusively, remove_stale_temporaries
+from pksampler.files import atomic_write_text, atomic_writer, lock_exclusively, parse_bytes, remove_stale_temporaries
 
 from ._image import IMAGE_EXTENSIONS, MAX_IMAGE_PIXELS, ImageLoadError, load_rgb, read_regular
 from .folder import ImageFolderDataset
@@ -72,19 +71,8 @@ _WORK = ".pack"
 
 
 def parse_size(text: str | int) -> int:
-    """``"512MB"``, ``"2GiB"``, ``"1000000"`` -> bytes (decimal and binary units)."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*", str(text))
-        if not match:
-            raise ValueError(f"--shard-size: expected a size such as 512MB or 1GiB, got {text!r}")
-        number, unit = float(match.group(1)), (match.group(2) or "b").lower().rstrip("b")
-        base = 1024 if unit.endswith("i") else 1000
-        value = int(number * base ** " kmgt".index((unit[:1] or " ")))
-    if value < _TAR_BLOCK * 4:
-        raise ValueError(f"--shard-size: must be at least {_TAR_BLOCK * 4} bytes, got {text!r}")
-    return value
+    """``--shard-size``: ``"512MB"``, ``"2GiB"``, ``"1000000"`` -> bytes, at least four tar blocks."""
+    return parse_bytes(text, name="--shard-size", least=_TAR_BLOCK * 4)
 
 
 def plan_shards(labels: np.ndarray, sizes: np.ndarray, shard_size: int) -> np.ndarray:

@@ -42,10 +42,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from PIL import Image
 
-from pksampler.files import atomic_write_bytes, atomic_write_text, atomic_writer
+from pksampler.files import atomic_write_bytes, atomic_write_text, atomic_writer, parse_bytes
 
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, NotRegularFileError, load_rgb, open_regular
 from .base import LabelledDataset, check_decoding
+from .blockcache import BlockCache
 from .objectstore import ObjectStore, is_remote
 
 __all__ = [
@@ -174,6 +175,14 @@ class ShardedDataset(LabelledDataset):
             (reads everything once); by default only the fingerprints are checked
             (sizes, first and last MiB; each shard's at its first open).
         max_open_shards: bound on cached open shard files per process.
+        block_cache: object stores only: keep shards' bytes in a node-local cache of this many bytes (an int or
+            a size such as ``"64GB"``), read in blocks of ``block_size`` (:mod:`.blockcache`), shared by the
+            host's ranks and workers. Pair it with the shard-local plan (``locality="shard"``), whose lanes read
+            a shard in long visits: GETs fall from one per K-chunk to one per block. ``None`` (default): one
+            ranged GET per run of nearby samples of each batch, nothing kept.
+        block_size: the cache's block (and GET) size, default ``"16MiB"``.
+        cache_dir: the cache's folder (default ``$PKSAMPLER_CACHE/objectstore/<store>/blocks``); ``/dev/shm/...``
+            keeps it in RAM.
 
     Path rules: shard names in the manifest must be plain file names
     (``[A-Za-z0-9_.-]``, ending ``.tar``: no ``/``, no ``..``, not absolute), and a
@@ -189,7 +198,8 @@ class ShardedDataset(LabelledDataset):
 
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None, *, seed: int = 0,
                  on_bad: str = "replace", decode_size: int | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
-                 verify_index: bool = False, max_open_shards: int = 64) -> None:
+                 verify_index: bool = False, max_open_shards: int = 64, block_cache: int | str | None = None,
+                 block_size: int | str = "16MiB", cache_dir: str | os.PathLike | None = None) -> None:
         super().__init__(transform, seed=seed, on_bad=on_bad)
         self.decode_size, self.max_pixels = check_decoding("ShardedDataset", decode_size, max_pixels)
         if isinstance(max_open_shards, bool) or not isinstance(max_open_shards, int) or max_open_shards < 1:
@@ -216,8 +226,33 @@ class ShardedDataset(LabelledDataset):
         self._labels_sorted = True if self.manifest.get("class_contiguous") else None
         self._handles: OrderedDict[int, int] = OrderedDict()
         self._pid = os.getpid()
+        self.blocks = self._block_cache(block_cache, block_size, cache_dir)
         if verify_index:
             self.verify(index=False)
+
+    def _block_cache(self, limit: int | str | None, block_size: int | str,
+                     cache_dir: str | os.PathLike | None) -> BlockCache | None:
+        """The node-local block cache ``block_cache=`` asks for (object stores only)."""
+        if limit is None:
+            if cache_dir is not None:
+                raise ValueError("ShardedDataset(cache_dir=) is the block cache's folder: give block_cache= a size too")
+            return None
+        if self.store is None:
+            raise ValueError(f"ShardedDataset(block_cache={limit!r}) caches an object store's shards; {self.root} is "
+                             "a local folder, read directly")
+        block_bytes = parse_bytes(block_size, name="ShardedDataset(block_size=)", least=64 << 10)
+        limit_bytes = parse_bytes(limit, name="ShardedDataset(block_cache=)", least=2 * block_bytes)
+        folder = Path(cache_dir) if cache_dir is not None else self.store.cache_folder() / "blocks"
+        self._shard_versions = [hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:12]
+                                for entry in self.manifest["shards"]]
+        return BlockCache(folder, limit_bytes=limit_bytes, block_bytes=block_bytes)
+
+    def _remote_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Bytes of ``ranges`` of remote shard ``shard``: through the block cache, or one GET per nearby run."""
+        name = self.shard_names[shard]
+        if self.blocks is None:
+            return self.store.get_ranges(name, ranges)
+        return self.blocks.read(self.store, name, self._shard_versions[shard], int(self.shard_bytes[shard]), ranges)
 
     def verify(self, *, index: bool = True, shards: bool = True) -> None:
         """Check the full SHA-256 of the index and labels and of every shard against the manifest (reads all).
@@ -262,7 +297,7 @@ class ShardedDataset(LabelledDataset):
         for shard in np.unique(records["shard"]):
             mine = np.flatnonzero(records["shard"] == shard)
             ranges = [(int(records["offset"][i]), int(records["offset"][i]) + int(records["size"][i])) for i in mine]
-            for i, data in zip(mine, self.store.get_ranges(self.shard_names[int(shard)], ranges)):
+            for i, data in zip(mine, self._remote_ranges(int(shard), ranges)):
                 self._prefetched[int(indices[i])] = data
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
@@ -277,7 +312,7 @@ class ShardedDataset(LabelledDataset):
         if self.store is not None:
             data = self._prefetched.pop(int(index), None)
             if data is None:
-                data = self.store.get_ranges(self.shard_names[shard], [(offset, offset + size)])[0]
+                data = self._remote_ranges(shard, [(offset, offset + size)])[0]
         else:
             data = os.pread(self._handle(shard), size, offset)
         if len(data) != size:

@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import IO, BinaryIO, Iterator
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "lock_exclusively", "remove_stale_temporaries"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "lock_exclusively", "parse_bytes",
+           "remove_stale_temporaries"]
 
 _SUFFIX = ".tmp"
 
@@ -101,3 +103,23 @@ def lock_exclusively(path: str | os.PathLike, holder: str, *,
     handle.write(holder + "\n")
     handle.flush()
     return handle, holder
+
+
+def parse_bytes(text: str | int, *, name: str, least: int = 0) -> int:
+    """``"512MB"``, ``"2GiB"``, ``"1000000"`` or an int -> bytes (decimal and binary units).
+
+    Raises:
+        ValueError: naming ``name`` (the argument or key), the value and the rule.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*", str(text))
+        if not match:
+            raise ValueError(f"{name}: expected a size such as 512MB or 1GiB, got {text!r}")
+        number, unit = float(match.group(1)), (match.group(2) or "b").lower().rstrip("b")
+        base = 1024 if unit.endswith("i") else 1000
+        value = int(number * base ** " kmgt".index((unit[:1] or " ")))
+    if value < least:
+        raise ValueError(f"{name}: must be at least {least} bytes, got {text!r}")
+    return value

@@ -1,4 +1,7 @@
-"""``horovodrun -np 2 python train/retrieval.py`` trains from s3:// (a real SeaweedFS) the model it trains from disk."""
+"""``horovodrun -np 2 python train/retrieval.py`` trains from s3:// (a real SeaweedFS) the model it trains from disk.
+
+Both runs use the shard-local plan; the remote one reads through the node-local block cache, as at scale.
+"""
 
 from __future__ import annotations
 
@@ -31,15 +34,17 @@ def test_training_from_the_object_store_equals_training_from_the_local_shards(tm
     os.environ.update(environment)
     upload(tmp_path / "shards", "s3://pksampler-test/train/demo")
     config = {"seed": 1, "data": {"name": "shards", "args": {}, "test_fraction": 0.25, "image_size": 24, "workers": 1},
-              "sampler": {"classes_per_step": 4, "samples_per_class": 3},
+              "sampler": {"classes_per_step": 4, "samples_per_class": 3, "args": {"locality": "shard", "window": 4}},
               "model": {"width": 8, "depth": [1], "embedding_dim": 16},
               "train": {"epochs": 1, "max_steps": 4, "checkpoint_every": 0, "eval_every": 1, "tensorboard": False}}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))
-    runs = {"local": str(tmp_path / "shards"), "remote": "s3://pksampler-test/train/demo"}
-    for name, root in runs.items():
+    runs = {"local": (str(tmp_path / "shards"), "{}"),
+            "remote": ("s3://pksampler-test/train/demo", "{block_cache: 1MiB, block_size: 64KiB}")}
+    for name, (root, args) in runs.items():
         result = launch("horovodrun", SCRIPT, "--config", str(path), "--set", f"data.root={root}",
-                        "--set", f"workspace={tmp_path / name}", env=environment, timeout=400)
+                        "--set", f"data.args={args}", "--set", f"workspace={tmp_path / name}", env=environment,
+                        timeout=400)
         assert result.returncode == 0, result.stdout[-4000:]
         assert environment["AWS_SECRET_ACCESS_KEY"] not in result.stdout
     local, remote = (torch.load(tmp_path / n / "checkpoints" / "last.pt", weights_only=True) for n in runs)
@@ -47,6 +52,8 @@ def test_training_from_the_object_store_equals_training_from_the_local_shards(tm
     records = [json.loads(line) for line in (tmp_path / "remote" / "metrics.jsonl").read_text().splitlines()]
     accounting = [r for r in records if r.get("type") == "objectstore"]
     assert accounting and accounting[-1]["gets"] > 0 and accounting[-1]["cost_usd"] > 0
+    blocks = list((tmp_path / "cache" / "objectstore").glob("*/blocks/shard-*"))
+    assert blocks and sum(b.stat().st_size for b in blocks) <= 2**20 + 2 * 2**16  # the cache was used, within limit
     for written in (tmp_path / "remote").rglob("*"):  # no secret in the config dump, metrics or checkpoints
         if written.is_file():
             assert environment["AWS_SECRET_ACCESS_KEY"].encode() not in written.read_bytes(), written
