@@ -156,6 +156,9 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
     except (ValueError, TypeError, ImportError) as error:
         raise ConfigError(str(error)) from None
     row_optimizers: tuple = ()
+    if config.loss.weight != 1 and config.head.name is None:
+        raise ConfigError(f"loss.weight: {config.loss.weight!r} weighs the pair loss against the head's, and there is "
+                          "no head (head.name: null): leave it at 1, or set head.name (arcface, cosface, softmax)")
     if config.head.name is not None:
         loss_fn = _with_head(config, backend, data, loss_fn)
         row_optimizers = (loss_fn.row_optimizer,)
@@ -202,7 +205,7 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
                         grad_divisor=divisor)
     neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
-    return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck)
+    return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck, pair_weight=config.loss.weight)
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:

@@ -349,3 +349,44 @@ def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
         for trace, rank_scale in run_ranks(world, work):
             assert np.allclose(trace, reference, rtol=1e-6, atol=0), (world, trace, reference)
             assert torch.allclose(rank_scale, scale, rtol=1e-6, atol=1e-7)
+
+
+# --- loss.weight: the pair loss against the head; 0 trains the head alone ---------------------------------------------
+def test_the_pair_weight_mixes_the_losses_and_zero_trains_the_head_alone():
+    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
+    embeddings, labels = inputs()
+
+    def step(pair_weight: float):
+        def work(group):
+            head = ShardedMarginHead(C, D, spec, group, seed=1)
+            pair = _CentreDistance()
+            pair.margin.data.fill_(10.0)  # a pair loss above zero on these inputs
+            loss_fn = HeadedLoss(pair, head, SparseRowSGD(head), weight=0.7, pair_weight=pair_weight)
+            loss = loss_fn(embeddings.clone().requires_grad_(True), labels)
+            loss.backward()
+            return (float(loss.detach()), float(loss_fn.last_head_loss), float(pair(embeddings, labels).detach()),
+                    pair.margin.grad)
+
+        return run_ranks(1, work)[0]
+
+    total, head, _, grad = step(0.0)
+    assert total == pytest.approx(0.7 * head, rel=1e-6) and grad is None  # the pair loss is not even computed
+    total, head, pair, grad = step(0.5)
+    assert pair > 0 and total == pytest.approx(0.5 * pair + 0.7 * head, rel=1e-6) and grad is not None
+
+
+def test_the_pair_weight_is_checked(tmp_path):
+    from pksampler.train.run_setup import train
+    from pksampler.train.runtime.distributed import Backend
+
+    with pytest.raises(ConfigError, match=r"loss.weight: must be a finite number >= 0, got -1"):
+        load_config(None, ["loss.weight=-1"], environ={})
+    tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
+            "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+            "model.depth=[1]", "model.embedding_dim=8", f"workspace={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError, match=r"^loss.weight: 0.0 weighs the pair loss against the head's, and there is "
+                                          r"no head \(head.name: null\)"):
+        train(load_config(None, [*tiny, "loss.weight=0"], environ={}), Backend())
+    result = train(load_config(None, [*tiny, "loss.weight=0", "head.name=arcface", "train.max_steps=2"],
+                               environ={}), Backend())
+    assert result.global_step == 2

@@ -136,12 +136,15 @@ class LossConfig:
     """A built-in loss (``batch_hard``, ``multi_similarity``, ``contrastive``,
     ``triplet``) or a pytorch-metric-learning one (``pml.<LossName>``), with
     ``args``; ``miner`` (``{name: pml.<MinerName>, args: {}}``) and
-    ``memory`` (cross-batch memory: ``{size, warmup_steps}``) are optional."""
+    ``memory`` (cross-batch memory: ``{size, warmup_steps}``) are optional.
+    ``weight`` weighs the pair loss against the head's (``head:``); 0 trains
+    the head alone. Without a head it stays 1."""
 
     name: str = _rule("multi_similarity", rules.choice(lambda: _registry("loss"), prefixes=("pml.",)))
     args: Mapping[str, Any] = field(default_factory=dict)
     miner: Mapping[str, Any] | None = None
     memory: Mapping[str, Any] | None = _rule(None, rules.optional(rules.memory))
+    weight: float = _rule(1.0, rules.non_negative_finite)  # the pair loss's weight; 0: the head alone
 
 
 @dataclass(frozen=True)

@@ -95,7 +95,7 @@ class SparseRowSGD:
 
 
 class HeadedLoss:
-    """``pair(embeddings, labels) + weight · head(embeddings, labels)``: the trainer's loss with a sharded head.
+    """``pair_weight · pair(embeddings, labels) + weight · head(embeddings, labels)``: the loss with a sharded head.
 
     Behaves like the pair loss it wraps (``parameters``, ``to``, ``state_dict``);
     its state adds the head's rows and momentum, keyed by class id, so a
@@ -104,8 +104,9 @@ class HeadedLoss:
     """
 
     def __init__(self, pair: Any, head: ShardedMarginHead, row_optimizer: SparseRowSGD, *, weight: float,
-                 neck: torch.nn.Module | None = None) -> None:
+                 neck: torch.nn.Module | None = None, pair_weight: float = 1.0) -> None:
         self.pair, self.head, self.row_optimizer, self.weight = pair, head, row_optimizer, weight
+        self.pair_weight = pair_weight  # 0: the head alone (the pair loss is not computed)
         self.neck = neck  # BNNeck: the head reads neck(embeddings), the pair loss the embeddings
         self.last_head_loss = torch.zeros(())
 
@@ -116,7 +117,9 @@ class HeadedLoss:
     def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head_loss = self.head_loss(embeddings, labels)
         self.last_head_loss = head_loss.detach()
-        return self.pair(embeddings, labels) + self.weight * head_loss
+        if self.pair_weight == 0:
+            return self.weight * head_loss
+        return self.pair_weight * self.pair(embeddings, labels) + self.weight * head_loss
 
     def parameters(self) -> list[torch.nn.Parameter]:
         neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
