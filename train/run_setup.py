@@ -403,18 +403,20 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
                                  metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()},
                                  is_main=is_main or elastic, finish=writer.close if writer is not None else None)
     trainer.register([*_hooks(config, trainer, data, log, checkpoints), *extra_hooks])
-    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data) if elastic else None)
+    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data, checkpoints) if elastic else None)
 
 
-def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts) -> Callable[[], TrainState]:
-    """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world."""
+def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts,
+                   checkpoints: CheckpointHook) -> Callable[[], TrainState]:
+    """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world,
+    ``last.pt`` written only at a commit."""
     backend = trainer.parts.backend
     return lambda: run_elastic(
         trainer, commit_every=config.train.commit_every,
         rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed,
                                                          shard_ids=shard_ids_of(data.train)),
         gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
-        before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
+        checkpoints=checkpoints, before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
 
 
 def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,

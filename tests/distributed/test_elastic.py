@@ -16,9 +16,10 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
-from launch import HOROVODRUN, ROOT
+from launch import HOROVODRUN, ROOT, finish_agent, kill_agent, start_agent
 
 pytestmark = pytest.mark.horovod
 
@@ -27,6 +28,11 @@ TWO_HOSTS = "localhost:2\n127.0.0.1:2\n"
 ONE_HOST = "localhost:2\n"
 #: every run: the default config, few steps, images fetched in the rank's process (recorded)
 SETTINGS = ("train.max_steps=12", "train.commit_every=2", "data.workers=0", "train.tensorboard=false")
+#: a checkpoint every 3 steps, a commit only every 100 (and at the last step, 6; 7 steps an epoch); small
+#: images and network, so the steps cost little beside the two jobs' start-up
+CHECKPOINTS_BETWEEN_COMMITS = ("train.max_steps=6", "train.checkpoint_every=3", "train.commit_every=100",
+                               "data.args.num_classes=40", "data.args.image_size=24", "data.image_size=16",
+                               "model.width=8", "data.workers=0", "train.tensorboard=false")
 
 
 @dataclass
@@ -42,16 +48,12 @@ class ElasticRun:
 def run_elastic(tmp_path: Path, *, hosts: str, then: str, np: int, min_np: int, max_np: int, after_step: int,
                 timeout: float = 420.0, env: dict[str, str] | None = None) -> ElasticRun:
     """``horovodrun`` elastic over a discovery script printing ``hosts``, switched to ``then`` after a step."""
-    hosts_file, script = tmp_path / "hosts.txt", tmp_path / "discover.sh"
+    hosts_file = tmp_path / "hosts.txt"
     hosts_file.write_text(hosts)
-    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
-    script.chmod(0o755)
     workspace, records = tmp_path / "ws", tmp_path / "records"
     records.mkdir()
-    command = [str(HOROVODRUN), "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
-               "--host-discovery-script", str(script), "--network-interface", "lo", "--start-timeout", "120",
-               sys.executable, str(SCRIPT), "--set", f"workspace={workspace}",
-               *(arg for setting in SETTINGS for arg in ("--set", setting))]
+    command = elastic_command(discovery_script(tmp_path, hosts_file), workspace, SETTINGS, np=np, min_np=min_np,
+                              max_np=max_np)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
                 "PKSAMPLER_TEST_RECORD": str(records), **(env or {})}
     process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -70,6 +72,23 @@ def run_elastic(tmp_path: Path, *, hosts: str, then: str, np: int, min_np: int, 
         output, _ = process.communicate()
         raise AssertionError(f"elastic run timed out after {timeout}s:\n{output[-6000:]}") from None
     return ElasticRun(process.returncode, output, changed_at, time.time(), workspace, records)
+
+
+def discovery_script(tmp_path: Path, hosts_file: Path) -> Path:
+    """A host-discovery script that prints ``hosts_file`` (Horovod runs it every second)."""
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
+    script.chmod(0o755)
+    return script
+
+
+def elastic_command(script: Path, workspace: Path, settings: tuple[str, ...], *, np: int, min_np: int,
+                    max_np: int) -> list[str]:
+    """``horovodrun`` elastic (discovery ``script``) of the test trainer in ``workspace`` with ``settings``."""
+    return [str(HOROVODRUN), "-np", str(np), "--min-np", str(min_np), "--max-np", str(max_np),
+            "--host-discovery-script", str(script), "--network-interface", "lo", "--start-timeout", "120",
+            sys.executable, str(SCRIPT), "--set", f"workspace={workspace}",
+            *(arg for setting in settings for arg in ("--set", setting))]
 
 
 def _steps_logged(workspace: Path) -> int:
@@ -181,3 +200,41 @@ def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_pat
     assert "[pksampler] error: Horovod elastic: no new world within 25 s" in run.output, run.output[-3000:]
     assert "fewer slots than --min-np" in run.output
     assert took < 60, f"the job took {took:.0f} s to end after the host left"
+
+
+def _wait_until(ready: Callable[[], bool], process: subprocess.Popen, log: Path, *, timeout: float, what: str) -> None:
+    """Poll ``ready()`` while the launcher runs; fail with the log's tail if it ends or ``timeout`` passes."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen (launcher status {process.poll()}):\n"
+                                 f"{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def test_a_job_killed_after_a_checkpoint_resumes_with_every_step_logged_once(tmp_path):
+    # Issue 27: last.pt was written every checkpoint_every steps but the step lines only at commits, and a
+    # resume cuts metrics.jsonl back to last.pt's step: the steps between the last commit and the checkpoint
+    # were in neither place. Here rank 0 stops after step 4 (last.pt holds step 3, no commit yet), the whole
+    # job is killed, and a second job resumes from last.pt.
+    from pksampler.train.engine.checkpoint import load_checkpoint
+
+    hosts, workspace = tmp_path / "hosts.txt", tmp_path / "ws"
+    hosts.write_text(ONE_HOST)
+    command = elastic_command(discovery_script(tmp_path, hosts), workspace, CHECKPOINTS_BETWEEN_COMMITS, np=2,
+                              min_np=2, max_np=2)
+    last, first_log = workspace / "checkpoints" / "last.pt", tmp_path / "first.log"
+    first = start_agent(command, first_log, env={"PKSAMPLER_TEST_FREEZE": "0:4"})
+    try:
+        _wait_until(lambda: "frozen at step 4" in first_log.read_text() and last.is_file(), first, first_log,
+                    timeout=240, what="rank 0 stopping after step 4 with last.pt written")
+    finally:
+        kill_agent(first)
+    killed_at = load_checkpoint(last)["state"]["global_step"]
+    assert killed_at == 3, f"the first job was killed with last.pt at step {killed_at}, expected 3"
+
+    second = finish_agent(start_agent(command, tmp_path / "second.log"), tmp_path / "second.log", timeout=240)
+    assert second.returncode == 0, second.stdout[-4000:]
+    steps = _logged_steps(workspace)
+    assert steps == list(range(1, 7)), (f"metrics.jsonl holds the steps {steps}, expected 1..6 each once (the job "
+                                        f"was killed with last.pt at step 3, before any commit)")

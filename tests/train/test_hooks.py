@@ -12,6 +12,7 @@ import io
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -176,6 +177,14 @@ def test_the_loop_calls_hooks_in_order_and_puts_every_step_in_the_storage():
     assert trainer.parts.train_set.epochs == [0, 1] and int(trainer.parts.loss_fn.steps) == 6
 
 
+def test_hooks_registered_first_run_before_the_others_in_their_own_order():
+    a, b, c, d = Recorder(), Recorder(), Recorder(), Recorder()
+    trainer = make_trainer([a])
+    trainer.register([b, c], first=True)
+    trainer.register([d])
+    assert trainer.hooks == [b, c, a, d] and all(hook.trainer is trainer for hook in (a, b, c, d))
+
+
 def test_metrics_log_writes_each_step_and_each_new_record_but_not_the_replayed_ones(tmp_path):
     storage = EventStorage()
     storage.put_record("eval", epoch=0, global_step=0, recall_at_1=0.1)  # e.g. read back on resume
@@ -286,6 +295,88 @@ def test_the_epoch_checkpoint_is_written_before_evaluation():
     with pytest.raises(RuntimeError, match="evaluation crashed"):
         trainer.train()
     assert written == [1]  # the finished epoch is saved; a resume starts at epoch 2
+
+
+class InMemoryCommits:
+    """Horovod's ``TorchState`` in one process: ``save`` copies the trainer's state, ``restore`` puts it back."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.save()
+
+    def save(self) -> None:
+        self.saved = copy.deepcopy(self.trainer.state_dict())
+
+    def restore(self) -> None:
+        self.trainer.load_state_dict(copy.deepcopy(self.saved))
+
+    def check_host_updates(self) -> None:
+        pass
+
+
+class WorkerLost(Exception):
+    """Stands for Horovod's ``HorovodInternalError``: a worker died, the survivors roll back."""
+
+
+class LoseAWorkerOnce(HookBase):
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def after_step(self) -> None:
+        if not self.done and self.trainer.state.global_step == self.step:
+            self.done = True
+            raise WorkerLost(f"a worker died after global step {self.step}")
+
+
+def _logged(path: Path) -> list[tuple[str, int]]:
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [(record["type"], record["global_step"]) for record in map(json.loads, lines)]
+
+
+def _elastic_trainer(path: Path, written: list[tuple[int, list]], hooks=(), **kwargs) -> tuple[Trainer, Any, Any]:
+    """A trainer wired as under Horovod elastic (register_commits, commit_every=100); ``written`` gets, per
+    ``last.pt``, its step and the lines metrics.jsonl held when it was handed to the writer."""
+    from pksampler.train.engine.elastic import CommittedMetricsHook, register_commits
+
+    checkpoints = CheckpointHook(lambda name, c: written.append((c["state"]["global_step"], _logged(path))),
+                                 every=2, max_steps=kwargs.pop("max_steps", None))
+    trainer = make_trainer([checkpoints, *hooks], **kwargs)
+    state, metrics = InMemoryCommits(trainer), CommittedMetricsHook(path, lambda: True)
+    register_commits(trainer, state, metrics, checkpoints, every=100)
+    return trainer, state, metrics
+
+
+def test_under_elastic_a_checkpoint_is_taken_at_a_commit_and_a_reset_logs_no_step_twice(tmp_path):
+    # commit_every=100, a checkpoint every 2 steps; 3 steps an epoch, 2 epochs. A worker is lost after
+    # step 5: the run rolls back to the last commit and trains the steps after it again.
+    path, written = tmp_path / "metrics.jsonl", []
+    trainer, state, metrics = _elastic_trainer(path, written, [LoseAWorkerOnce(5)])
+    while True:  # hvd.elastic.run's loop: a lost worker restores the committed state, the reset callbacks run
+        try:
+            trainer.train()
+            break
+        except WorkerLost:
+            state.restore()
+            metrics.drop()
+    for step, lines in written:
+        assert lines == [("step", s) for s in range(1, step + 1)], (
+            f"last.pt of global step {step} was handed to the writer while metrics.jsonl held {lines}: a "
+            "checkpoint must never be ahead of the logged steps")
+    assert [step for step, _ in written] == [2, 3, 4, 6, 6]
+    assert trainer.storage.series("loss")[0].tolist() == [1, 2, 3, 4, 5, 5, 6], \
+        "the reset should roll back to the commit of step 4's checkpoint and train step 5 again"
+    assert _logged(path) == [("step", s) for s in range(1, 7)]
+
+
+def test_under_elastic_a_checkpoint_before_the_first_step_writes_no_replayed_record_again(tmp_path):
+    # A resumed run at max_steps: the checkpoint in before_train commits; the history read back is not new.
+    path, written = tmp_path / "metrics.jsonl", []
+    storage = EventStorage()
+    storage.put_step(epoch=0, step=1, global_step=1, loss=0.5)
+    storage.put_record("eval", epoch=1, global_step=1, recall_at_1=0.25)
+    trainer, _, _ = _elastic_trainer(path, written, max_steps=0, storage=storage)
+    trainer.train()
+    assert written == [(0, [])] and _logged(path) == []
 
 
 class FakeWriter:

@@ -34,6 +34,19 @@ metrics.jsonl keeps every global step once: step records are buffered on
 every rank and appended by the current rank 0 at each commit
 (:class:`CommittedMetricsHook`); steps rolled back are never written.
 
+A checkpoint is taken only at a commit (:func:`register_commits`): before
+``last.pt`` is built, every rank commits in memory and the buffered lines
+are appended, so ``last.pt``, the commit a reset rolls back to and
+metrics.jsonl agree on the last step. A resume cuts metrics.jsonl back to
+``last.pt``'s step, so a checkpoint ahead of the log would lose the steps
+in between for good (issue 27: ``checkpoint_every=3``, ``commit_every=100``,
+steps 1-3 lost), and lines written ahead of the commit would be written
+again after a rollback. A job killed between the lines and the checkpoint
+file resumes from the earlier ``last.pt`` and cuts the extra lines. Such a
+commit does not check for host changes (the next regular one does), so a
+due checkpoint is always written; it costs one more in-memory copy of the
+state per checkpoint.
+
 Below ``--min-np`` Horovod's driver waits ``HOROVOD_ELASTIC_TIMEOUT``
 seconds (``--elastic-timeout``; default 600) for hosts, then kills the
 workers and ends with a message about a worker's exit status, not the cause
@@ -58,7 +71,7 @@ from typing import Any, Callable
 
 import torch
 
-from pksampler.train.engine.hooks import HookBase
+from pksampler.train.engine.hooks import CheckpointHook, HookBase
 from pksampler.train.errors import ConfigError
 from pksampler.train.engine.trainer import Trainer, TrainState
 
@@ -69,6 +82,7 @@ __all__ = [
     "SamplerHandler",
     "elastic_launch",
     "loop_position",
+    "register_commits",
     "rejoin_timeout",
     "run_elastic",
     "state_handlers",
@@ -287,6 +301,37 @@ class CommittedMetricsHook(HookBase):
         self.pending.clear()
 
 
+def register_commits(trainer: Trainer, state: Any, metrics: CommittedMetricsHook,
+                     checkpoints: CheckpointHook | None, *, every: int) -> None:
+    """The commits of a Horovod elastic run, and the rule that a checkpoint is taken only at a commit.
+
+    ``state`` is Horovod's ``TorchState`` (any object with ``save()`` and
+    ``check_host_updates()``). A commit saves the state in memory and
+    appends the buffered lines to metrics.jsonl (:meth:`CommittedMetricsHook.flush`,
+    between the save and the host check):
+
+    1. every ``every`` global steps, at the last step and after each epoch
+       (:class:`CommitHook`, registered last), with the host check;
+    2. before every ``last.pt`` (``checkpoints.commit``), without it.
+
+    ``metrics`` goes first among the hooks, so a step's line is buffered
+    (and a resumed run's records are skipped) before a checkpoint of that
+    step commits.
+    """
+    def commit_in_memory() -> None:
+        state.save()
+        metrics.flush()
+
+    def commit() -> None:
+        commit_in_memory()
+        state.check_host_updates()
+
+    trainer.register([metrics], first=True)
+    trainer.register([CommitHook(commit, every=every)])
+    if checkpoints is not None:
+        checkpoints.commit = commit_in_memory
+
+
 # --- the driver ---------------------------------------------------------------------
 
 
@@ -360,13 +405,16 @@ def _refresh_world(trainer: Trainer, gather_wanted: bool) -> None:
 
 
 def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callable[[int, int], Any],
-                gather_wanted: bool, metrics_path: Path, before_start: Callable[[], None] = lambda: None) -> TrainState:
+                gather_wanted: bool, metrics_path: Path, checkpoints: CheckpointHook | None = None,
+                before_start: Callable[[], None] = lambda: None) -> TrainState:
     """Train under ``hvd.elastic.run``; returns the final state.
 
     ``rebuild_sampler(world_size, rank)`` builds this rank's sampler for a
-    world; ``before_start`` runs on every rank of each new world before its
-    first step (collective checks belong there, never before
-    ``hvd.elastic.run``: a joiner would meet the survivors' sync).
+    world; ``checkpoints``, the run's checkpoint hook, then writes ``last.pt``
+    only at a commit (:func:`register_commits`); ``before_start`` runs on
+    every rank of each new world before its first step (collective checks
+    belong there, never before ``hvd.elastic.run``: a joiner would meet the
+    survivors' sync).
     """
     import horovod.torch as hvd
     from horovod.common.elastic import run_fn
@@ -393,16 +441,9 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     state = hvd.elastic.TorchState(model=parts.model, optimizer=parts.optimizer, loss=parts.loss_fn,
                                    scheduler=parts.scheduler, sampler=parts.sampler, train=trainer.state)
     metrics = CommittedMetricsHook(metrics_path, lambda: backend.rank == 0)
-
-    def commit() -> None:
-        # state.commit() with the step records written between the save and the host check.
-        state.save()
-        metrics.flush()
-        state.check_host_updates()
-
     state.register_reset_callbacks([functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop,
                                     made[0].reshard])
-    trainer.register([metrics, CommitHook(commit, every=commit_every)])
+    register_commits(trainer, state, metrics, checkpoints, every=commit_every)
     _keep_hooks_open_across_resets(trainer)
 
     def body(state: Any) -> TrainState:

@@ -109,13 +109,22 @@ class CheckpointHook(HookBase):
     never costs the epoch's training. ``write`` may return before the file
     is on disk (:class:`~.checkpoint.CheckpointWriter`); ``finish``, called
     after training, waits for the last write and raises a failed one's error.
+
+    ``commit``, when set (Horovod elastic, :func:`~.elastic.register_commits`),
+    is called on every rank before each ``last.pt`` is built: ``last.pt`` is
+    then taken only at a commit, so it is never ahead of the step lines in
+    ``metrics.jsonl`` (written at commits) nor of the state a reset rolls
+    back to. A resume cuts ``metrics.jsonl`` back to ``last.pt``'s step; a
+    checkpoint ahead of the log would lose the steps in between for good.
+    ``best.pt`` (never resumed from; saved by rank 0 alone) takes no commit.
     """
 
     def __init__(self, write: Callable[[str, dict[str, Any]], None], *, every: int, max_steps: int | None,
                  metadata: dict[str, Any] | None = None, is_main: bool = True,
-                 finish: Callable[[], None] | None = None) -> None:
+                 finish: Callable[[], None] | None = None, commit: Callable[[], None] | None = None) -> None:
         self.write, self.every, self.max_steps = write, every, max_steps
         self.metadata, self.is_main, self.finish = dict(metadata or {}), is_main, finish
+        self.commit = commit
 
     def save(self, name: str) -> None:
         """Write the trainer's state as ``name`` (the main rank; a no-op elsewhere).
@@ -123,30 +132,43 @@ class CheckpointHook(HookBase):
         Parameters that are NaN or infinite are never written: every rank holds
         the same ones, so every rank raises :class:`TrainingDiverged` together.
         """
+        self._check_finite(name)
+        self._build_and_write(name)
+
+    def save_last(self) -> None:
+        """``last.pt`` (on every rank): finite parameters checked, then ``commit`` if set, then the write."""
+        self._check_finite("last.pt")
+        if self.commit is not None:
+            self.commit()
+        self._build_and_write("last.pt")
+
+    def _check_finite(self, name: str) -> None:
         bad = count_non_finite(self.trainer.parts.model.state_dict())
         if bad:
             raise TrainingDiverged(f"the model holds {bad} NaN or infinite parameter value(s) at global step "
                                    f"{self.trainer.state.global_step}; {name} was not written (the last good one is "
                                    "kept): lower optim.lr, raise optim.warmup_steps or check the data")
+
+    def _build_and_write(self, name: str) -> None:
         state = self.trainer.state_dict()  # on every rank: a sharded head gathers its rows here
         if self.is_main:
             self.write(name, {**self.metadata, **state})
 
     def before_train(self) -> None:
         if self.max_steps is not None and self.trainer.state.global_step >= self.max_steps:
-            self.save("last.pt")  # e.g. max_steps=0: the initial parameters
+            self.save_last()  # e.g. max_steps=0: the initial parameters
             self.trainer.state.stop = True
 
     def after_step(self) -> None:
         step = self.trainer.state.global_step
         at_limit = self.max_steps is not None and step >= self.max_steps
         if at_limit or (self.every and step % self.every == 0):
-            self.save("last.pt")
+            self.save_last()
         if at_limit:
             self.trainer.state.stop = True
 
     def after_epoch(self) -> None:
-        self.save("last.pt")
+        self.save_last()
 
     def after_train(self) -> None:
         if self.finish is not None:

@@ -144,11 +144,18 @@ class Trainer:
         self.hooks: list[HookBase] = []
         self.register(hooks)
 
-    def register(self, hooks: Iterable[HookBase]) -> None:
-        """Append ``hooks``; each is called after those registered before it."""
-        for hook in hooks:
+    def register(self, hooks: Iterable[HookBase], *, first: bool = False) -> None:
+        """Append ``hooks``; each is called after those registered before it.
+
+        With ``first=True`` they go before every hook registered so far (in
+        their own order): a hook whose work the others' depends on, such as
+        the log that a checkpoint must not be ahead of under Horovod elastic.
+        """
+        added = list(hooks)
+        for hook in added:
             hook.trainer = self
-            self.hooks.append(hook)
+        at = 0 if first else len(self.hooks)
+        self.hooks[at:at] = added
 
     @property
     def global_batch(self) -> int:
