@@ -146,6 +146,13 @@ def _model(config: RunConfig, backend: Backend, model: torch.nn.Module | None) -
     return backend.setup.prepare_model(build_model(config.model, norm_class, image_size=config.data.image_size))
 
 
+def _from_main_rank(backend: Backend) -> Callable[[bool], bool]:
+    """Rank 0's yes or no, given to every rank (the others say no; a no-op in one process)."""
+    if backend.size == 1:
+        return lambda flag: flag
+    return lambda flag: bool(backend.allreduce_sum(torch.tensor([float(flag)], device=backend.device)).item() > 0)
+
+
 def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any,
                 model: torch.nn.Module | None = None) -> StepParts:
     global_batch = sampler.global_batch_size  # per-rank sizes differ when W does not divide G
@@ -279,7 +286,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
         checkpoints,
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,
                        every=config.train.eval_every, epochs=parts.epochs, is_main=is_main,
-                       gallery=lambda: evaluator.last_gallery),
+                       gallery=lambda: evaluator.last_gallery, share=_from_main_rank(parts.backend)),
     ]
     store = getattr(data.dataset, "store", None)
     if store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step

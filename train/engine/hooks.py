@@ -184,25 +184,34 @@ class EvaluationHook(HookBase):
     """
 
     def __init__(self, evaluate: Callable[[int], dict[str, float]], save: Callable[[str], None], *,
-                 every: int, epochs: int, is_main: bool, gallery: Callable[[], Path | None] = lambda: None) -> None:
+                 every: int, epochs: int, is_main: bool, gallery: Callable[[], Path | None] = lambda: None,
+                 share: Callable[[bool], bool] = lambda flag: flag) -> None:
         self.evaluate, self.save, self.gallery = evaluate, save, gallery
         self.every, self.epochs, self.is_main = every, epochs, is_main
+        self.share = share  # the main rank's "a new best" given to every rank (building best.pt may be collective)
 
     def after_epoch(self) -> None:
-        state, storage = self.trainer.state, self.trainer.storage
+        state = self.trainer.state
         if state.epoch % self.every and state.epoch != self.epochs:
             return
         metrics = self.evaluate(state.epoch)
-        if not self.is_main:
-            return
+        improved = self._record(metrics) if self.is_main else False
+        # Every rank saves together: a sharded head gathers its rows from all ranks to build the checkpoint.
+        if self.share(improved):
+            self.save("best.pt")
+
+    def _record(self, metrics: dict[str, float]) -> bool:
+        """The main rank: the eval record and gallery; whether Recall@1 beat the best so far."""
+        state, storage = self.trainer.state, self.trainer.storage
         state.final_metrics = metrics
         storage.put_record("eval", epoch=state.epoch, global_step=state.global_step, **metrics)
         gallery = self.gallery()
         if gallery is not None:
             storage.put_image("eval/gallery", state.global_step, gallery)
-        if metrics["recall_at_1"] > state.best:
-            state.best = metrics["recall_at_1"]
-            self.save("best.pt")
+        if metrics["recall_at_1"] <= state.best:
+            return False
+        state.best = metrics["recall_at_1"]
+        return True
 
 
 class TensorBoardHook(HookBase):
