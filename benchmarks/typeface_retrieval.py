@@ -208,14 +208,15 @@ def run_training(command: list[str]) -> tuple[float, float]:
 
 def evaluate(config: RunConfig, checkpoints: dict[str, Path]) -> tuple[dict[str, dict[str, float]], np.ndarray]:
     """Raw pixels and each checkpoint's final model on the held-out classes."""
-    test_set = builders.build_data(config).test
+    data = builders.build_data(config)
+    test_set, view = data.test, data.view  # uint8 images, made the model's input as the trainer makes them
     labels = test_set.labels
-    pixels = np.stack([test_set[i][0].reshape(-1).numpy() for i in range(len(test_set))])
+    pixels = np.stack([view(test_set[i][0][None]).reshape(-1).numpy() for i in range(len(test_set))])
     rows = {"raw pixels (cosine)": retrieval_metrics(pixels, labels)}
     for name, path in checkpoints.items():
         model = build_model(config.model)
         model.load_state_dict(load_model_state(path))
-        rows[name] = retrieval_metrics(embed(model, test_set, Backend()), labels)
+        rows[name] = retrieval_metrics(embed(model, test_set, Backend(), view=view), labels)
     return rows, labels
 
 
