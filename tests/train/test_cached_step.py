@@ -191,3 +191,29 @@ def test_the_products_config_is_chunkable_as_shipped():
     with torch.device("meta"):
         model = build_model(config.model, image_size=config.data.image_size)
     check_chunkable(model, config.train.chunk_size)
+
+
+def test_chunked_steps_with_the_sharded_head_train_what_whole_steps_train(tmp_path):
+    """The head's gradient with respect to the embeddings is cached like the pair loss's: the model, the head's
+    rows and their momentum after 3 chunked steps equal those of 3 whole steps."""
+    from pksampler.train.engine.checkpoint import load_checkpoint
+    from pksampler.train.run_setup import train
+
+    def run(workspace: str, *extra: str) -> dict:
+        config = load_config(None, [
+            "data.args={num_classes: 16, images_per_class: 4, image_size: 24}", "data.image_size=16",
+            "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+            "model.depth=[1]", "head.name=arcface", "head.negatives=4", "optim.name=sgd", "optim.lr=0.05",
+            "train.epochs=1", "train.max_steps=3", "train.checkpoint_every=0", "train.tensorboard=false",
+            "train.eval_every=100", f"workspace={tmp_path / workspace}", *extra], environ={})
+        train(config, Backend())
+        return load_checkpoint(tmp_path / workspace / "checkpoints" / "last.pt")
+
+    whole, chunked = run("whole"), run("chunked", "train.chunk_size=3")
+    for key, want in whole["model"].items():
+        assert torch.allclose(chunked["model"][key], want, rtol=1e-5, atol=1e-6), key
+    head_whole, head_chunked = whole["loss"]["head"], chunked["loss"]["head"]
+    for key, want in head_whole.items():
+        if isinstance(want, torch.Tensor) and want.is_floating_point():
+            assert torch.allclose(head_chunked[key], want, rtol=1e-5, atol=1e-6), key
+    assert head_whole["momentum"].abs().sum() > 0  # the rows did move
