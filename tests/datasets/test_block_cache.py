@@ -10,26 +10,18 @@ import pytest
 from torch.utils.data import DataLoader
 
 from pksampler import DistributedBalancedBatchSampler
-from pksampler.datasets import ShardedDataset, SyntheticProducts
+from pksampler.datasets import ShardedDataset
 from pksampler.datasets.blockcache import BlockCache
-from pksampler.datasets.pack import pack
 from pksampler.datasets.upload import upload
+from synthetic_pack import synthetic_pack
 
 BLOCK = 64 << 10
 
 
 @pytest.fixture(scope="module")
 def local_pack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("blockcache") / "folder"
-    synthetic = SyntheticProducts(num_classes=24, images_per_class=8, image_size=48)
-    for index in range(len(synthetic)):
-        cls, view = divmod(index, 8)
-        path = root / synthetic.classes[cls] / f"{view:05d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        synthetic.render(index).save(path, format="PNG")
-    out = root.parent / "shards"
-    pack(root, out, shard_size="400KB")
-    return out
+    root = tmp_path_factory.mktemp("blockcache")
+    return synthetic_pack(root / "folder", root / "shards", num_classes=24, images_per_class=8, image_size=48, shard_size="400KB")
 
 
 @pytest.fixture(scope="module")

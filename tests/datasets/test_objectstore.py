@@ -14,24 +14,16 @@ import pytest
 from torch.utils.data import DataLoader
 
 from pksampler import DistributedBalancedBatchSampler
-from pksampler.datasets import ShardedDataset, SyntheticProducts
+from pksampler.datasets import ShardedDataset
 from pksampler.datasets.objectstore import ObjectStoreError, cost_usd, split_url
-from pksampler.datasets.pack import pack
 from pksampler.datasets.upload import upload
+from synthetic_pack import synthetic_pack
 
 
 @pytest.fixture(scope="module")
 def local_pack(tmp_path_factory):
-    root = tmp_path_factory.mktemp("objectstore") / "folder"
-    synthetic = SyntheticProducts(num_classes=12, images_per_class=6, image_size=32)
-    for index in range(len(synthetic)):
-        cls, view = divmod(index, 6)
-        path = root / synthetic.classes[cls] / f"{view:05d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        synthetic.render(index).save(path, format="PNG")
-    out = root.parent / "shards"
-    pack(root, out, shard_size="64KB")
-    return out
+    root = tmp_path_factory.mktemp("objectstore")
+    return synthetic_pack(root / "folder", root / "shards", num_classes=12, images_per_class=6, image_size=32, shard_size="64KB")
 
 
 @pytest.fixture(scope="module")

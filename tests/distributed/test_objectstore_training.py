@@ -12,9 +12,8 @@ import pytest
 import torch
 import yaml
 from launch import ROOT, launch
+from synthetic_pack import synthetic_pack
 
-from pksampler.datasets import SyntheticProducts
-from pksampler.datasets.pack import pack
 from pksampler.datasets.upload import upload
 
 pytestmark = pytest.mark.horovod
@@ -22,14 +21,8 @@ SCRIPT = ROOT / "train" / "retrieval.py"
 
 
 def test_training_from_the_object_store_equals_training_from_the_local_shards(tmp_path, seaweed):
-    folder = tmp_path / "folder"
-    synthetic = SyntheticProducts(num_classes=16, images_per_class=6, image_size=32)
-    for index in range(len(synthetic)):
-        cls, view = divmod(index, 6)
-        path = folder / synthetic.classes[cls] / f"{view:05d}.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        synthetic.render(index).save(path, format="PNG")
-    pack(folder, tmp_path / "shards", shard_size="96KB")
+    synthetic_pack(tmp_path / "folder", tmp_path / "shards", num_classes=16, images_per_class=6, image_size=32,
+                   shard_size="96KB")
     environment = {**seaweed.environment(), "PKSAMPLER_CACHE": str(tmp_path / "cache")}
     os.environ.update(environment)
     upload(tmp_path / "shards", "s3://pksampler-test/train/demo")
