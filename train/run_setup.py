@@ -210,7 +210,7 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed)
     divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
-                        grad_divisor=divisor)
+                        grad_divisor=divisor, lr_scale=head.lr_scale)
     neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
     return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck, pair_weight=config.loss.weight)
 

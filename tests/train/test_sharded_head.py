@@ -390,3 +390,25 @@ def test_the_pair_weight_is_checked(tmp_path):
     result = train(load_config(None, [*tiny, "loss.weight=0", "head.name=arcface", "train.max_steps=2"],
                                environ={}), Backend())
     assert result.global_step == 2
+
+
+def test_the_rows_learn_at_the_head_groups_lr_times_lr_scale():
+    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=10 * C)
+    embeddings, labels = inputs()
+
+    def moved(lr_scale: float) -> torch.Tensor:
+        def work(group):
+            head = ShardedMarginHead(C, D, spec, group, seed=1)
+            rows = SparseRowSGD(head, momentum=0.0, lr_scale=lr_scale)
+            before = head.rows.clone()
+            head(embeddings, labels).backward()
+            rows.step(0.01)
+            return head.rows - before
+
+        return run_ranks(1, work)[0]
+
+    one, three = moved(1.0), moved(3.0)
+    # rows ~1 move by ~1e-3: fp32 cancellation in the differences leaves ~1e-4 relative noise
+    assert one.abs().sum() > 0 and torch.allclose(three, 3 * one, rtol=1e-3, atol=1e-7)
+    with pytest.raises(ConfigError, match=r"head.lr_scale: must be a finite number > 0, got 0"):
+        load_config(None, ["head.lr_scale=0"], environ={})

@@ -157,7 +157,7 @@ class HeadConfig:
     class), the same at every world size; the total loss is the pair loss +
     ``weight`` × the head's; ``bnneck`` puts a batch normalisation (zero
     frozen bias) between the pair loss's embeddings and the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
-    ``optim.weight_decay``) at the head group's learning rate.
+    ``optim.weight_decay``) at the head group's learning rate times ``lr_scale``.
     """
 
     name: str | None = _rule(None, rules.optional(rules.choice(lambda: _registry("head"))))
@@ -167,6 +167,8 @@ class HeadConfig:
     negatives: int = _rule(8192, rules.positive_int)
     subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
     weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
+    # the rows' SGD learning rate: the head group's lr times this (margin heads usually want SGD at ~0.1)
+    lr_scale: float = _rule(1.0, rules.positive_finite)
     # BNNeck (BoT): the head reads batch-normalised embeddings; the pair loss and retrieval read them before it
     bnneck: bool = _rule(False, rules.boolean)
 

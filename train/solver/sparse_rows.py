@@ -31,8 +31,9 @@ class SparseRowSGD:
     """Row-sparse SGD with momentum and lazy decoupled weight decay for a :class:`ShardedMarginHead`."""
 
     def __init__(self, head: ShardedMarginHead, *, momentum: float = 0.9, weight_decay: float = 0.0,
-                 grad_divisor: float = 1.0) -> None:
+                 grad_divisor: float = 1.0, lr_scale: float = 1.0) -> None:
         self.head, self.momentum, self.weight_decay = head, momentum, weight_decay
+        self.lr_scale = lr_scale  # the rows learn at the head group's lr times this
         self.grad_divisor = grad_divisor  # the loss scale the backward carried (Horovod: the world size)
         self.buffer = torch.zeros_like(head.rows)
         self.moved_at = torch.zeros(head.rows.shape[0], dtype=torch.int64)  # steps whose decay a row has
@@ -55,7 +56,8 @@ class SparseRowSGD:
         return torch.exp(self._log[self.steps] - self._log[steps]).to(self.head.rows.dtype)
 
     def step(self, lr: float) -> None:
-        """Apply the pending gradient of the sampled rows at learning rate ``lr``."""
+        """Apply the pending gradient of the sampled rows at learning rate ``lr`` (times ``lr_scale``)."""
+        lr = lr * self.lr_scale
         pending, self.head.pending = self.head.pending, None
         self._record(lr)
         self.head.step += 1
