@@ -34,6 +34,15 @@ CHECKPOINTS_BETWEEN_COMMITS = ("train.max_steps=6", "train.checkpoint_every=3", 
                                "data.args.num_classes=40", "data.args.image_size=24", "data.image_size=16",
                                "model.width=8", "data.workers=0", "train.tensorboard=false")
 
+#: the added-host run: SGD, whose steps are linear in the gradient (AdamW's first steps divide by the gradients'
+#: own size and grow the rounding of the sums to 5e-3 in the parameters within 12 steps, at any world size)
+JOIN_SETTINGS = (*SETTINGS, "optim.name=sgd", "optim.lr=0.05")
+#: how far the added-host run may be from one process's run of the same global batches: the order of the sums
+#: (gathered rows, gradients averaged over 2 then 4 ranks) differs, and the steps amplify it. Measured: an
+#: uninterrupted horovodrun -np 2 is 5.5e-5 off in the losses and 6.5e-5 in the parameters after 12 steps, the
+#: added-host run 5.3e-5 and 6.7e-5 (and 9e-6, 4e-5 off the -np 2 run, whose first 9 losses it repeats exactly)
+SUM_ORDER_TOLERANCE = 3e-4
+
 
 @dataclass
 class ElasticRun:
@@ -46,13 +55,14 @@ class ElasticRun:
 
 
 def run_elastic(tmp_path: Path, *, hosts: str, then: str, np: int, min_np: int, max_np: int, after_step: int,
-                timeout: float = 420.0, env: dict[str, str] | None = None) -> ElasticRun:
+                timeout: float = 420.0, env: dict[str, str] | None = None,
+                settings: tuple[str, ...] = SETTINGS) -> ElasticRun:
     """``horovodrun`` elastic over a discovery script printing ``hosts``, switched to ``then`` after a step."""
     hosts_file = tmp_path / "hosts.txt"
     hosts_file.write_text(hosts)
     workspace, records = tmp_path / "ws", tmp_path / "records"
     records.mkdir()
-    command = elastic_command(discovery_script(tmp_path, hosts_file), workspace, SETTINGS, np=np, min_np=min_np,
+    command = elastic_command(discovery_script(tmp_path, hosts_file), workspace, settings, np=np, min_np=min_np,
                               max_np=max_np)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
                 "PKSAMPLER_TEST_RECORD": str(records), **(env or {})}
@@ -175,19 +185,44 @@ def test_a_removed_host_leaves_the_survivors_training_the_same_plan(tmp_path):
     _report("host removed", run, trained)
 
 
-def test_an_added_host_receives_the_state_and_its_crash_rolls_back_to_the_last_commit(tmp_path):
-    # The joiners train one step in a world of 4, then die: the survivors roll back to the last commit,
-    # Horovod drops the failed host, and the steps after the commit are trained again at 2. A survivor
-    # whose pending receive was from a dead peer's neighbour notices only at Gloo's timeout (90 s here).
+def test_added_hosts_receive_the_state_and_their_joiners_train_to_the_end(tmp_path):
+    # Issue 27: with Horovod's response cache on, survivors and joiners executed different collectives from the
+    # second step of the world of 4; Gloo aborted on both sides (op.preamble.length <= op.nbytes), status 1.
     run = run_elastic(tmp_path, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3,
-                      env={"PKSAMPLER_TEST_CRASH_JOINER": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "90"})
+                      settings=JOIN_SETTINGS)
     trained = check_exactly_the_plan(run, 12)
     sizes = {step: info["size"] for step, info in trained.items()}
-    assert sizes[1] == 2 and sizes[12] == 2, sizes
-    assert "simulated crash" in run.output
-    replayed = [step for step, info in trained.items() if info["runs"] > 1]
-    assert replayed, "the step the joiner crashed in was not trained again"
-    _report("host added, then a joiner crashed", run, trained)
+    assert sizes[1] == 2 and sizes[12] == 4, sizes
+    _report("host added", run, trained)
+    # The same global batches in one process: the same losses and final model, up to the order of the sums.
+    alone = subprocess.run([sys.executable, str(SCRIPT), "--set", f"workspace={tmp_path / 'alone'}",
+                            *(arg for setting in JOIN_SETTINGS for arg in ("--set", setting))],
+                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                           timeout=300)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    losses, reference = (_step_losses(path) for path in (run.workspace, tmp_path / "alone"))
+    gaps = [abs(a - b) for a, b in zip(losses, reference)]
+    # through step 7, the new world's first, the sums round alike: a joiner without the committed state would not
+    assert len(losses) == 12 and max(gaps[:7]) < 1e-6 and max(gaps) < SUM_ORDER_TOLERANCE, (losses, reference)
+    _check_same_model(run.workspace, tmp_path / "alone")
+
+
+def _step_losses(workspace: Path) -> list[float]:
+    lines = (workspace / "metrics.jsonl").read_text().splitlines()
+    return [record["loss"] for record in map(json.loads, lines) if record["type"] == "step"]
+
+
+def _check_same_model(workspace: Path, reference: Path) -> None:
+    import torch
+
+    from pksampler.train.engine.checkpoint import load_checkpoint
+
+    got, want = (load_checkpoint(path / "checkpoints" / "last.pt") for path in (workspace, reference))
+    assert got["state"]["global_step"] == want["state"]["global_step"] == 12
+    worst = {name: float((torch.as_tensor(got["model"][name]) - torch.as_tensor(value)).abs().max())
+             for name, value in want["model"].items()}
+    print(f"[elastic] host added: largest parameter difference to one process {max(worst.values()):.2e}", flush=True)
+    assert max(worst.values()) < SUM_ORDER_TOLERANCE, sorted(worst.items(), key=lambda item: -item[1])[:5]
 
 
 def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_path):

@@ -13,9 +13,6 @@ writing under that folder (Python's audit hooks see every ``open`` and
 ``os.open``) and, after training, prints one ``[audit]`` line: rank, local
 rank, pid, the device its local rank selects on a host with two GPUs, the
 determinism settings it ran with and the files it wrote.
-``PKSAMPLER_TEST_CRASH_JOINER=1``: a process that joined a running Horovod
-elastic job (its first step is not the run's first) exits with status 3
-after its first step.
 ``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
@@ -105,18 +102,6 @@ class WritePid(HookBase):
 
     def before_train(self) -> None:
         (self.folder / f"{world_info()[0]}.pid").write_text(str(os.getpid()))
-class CrashJoiner(HookBase):
-    def __init__(self) -> None:
-        self.joined: bool | None = None
-
-    def before_train(self) -> None:
-        if self.joined is None:
-            self.joined = self.trainer.state.global_step > 0
-
-    def after_step(self) -> None:
-        if self.joined:
-            print(f"[test] joiner {os.getpid()}: simulated crash at step {self.trainer.state.global_step}", flush=True)
-            os._exit(3)
 
 
 class _RecordingDataset:
@@ -184,8 +169,6 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(WritePid(os.environ["PKSAMPLER_TEST_PIDS"]))
     if os.environ.get("PKSAMPLER_TEST_AUDIT"):
         hooks.append(Audit(os.environ["PKSAMPLER_TEST_AUDIT"]))
-    if os.environ.get("PKSAMPLER_TEST_CRASH_JOINER"):
-        hooks.append(CrashJoiner())
     if os.environ.get("PKSAMPLER_TEST_RECORD"):
         hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")

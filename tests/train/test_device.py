@@ -115,3 +115,13 @@ def test_cpu_runs_get_a_10_ms_horovod_cycle_unless_the_environment_sets_one():
     environ = {"HOROVOD_CYCLE_TIME": "2"}
     horovod_cpu_defaults("cpu", environ)
     assert environ == {"HOROVOD_CYCLE_TIME": "2"}
+
+
+def test_horovod_elastic_workers_run_without_the_response_cache():
+    # Issue 27: with the cache on, survivors and joiners of a reset executed different collectives
+    from pksampler.train.runtime.device import horovod_elastic_defaults
+
+    for environ, expected in [({"HOROVOD_ELASTIC": "1"}, "0"), ({"HOROVOD_ELASTIC": "1", "HOROVOD_CACHE_CAPACITY": "9"}, "0"),
+                              ({}, None), ({"HOROVOD_ELASTIC": "0", "HOROVOD_CACHE_CAPACITY": "64"}, "64")]:
+        horovod_elastic_defaults(environ)
+        assert environ.get("HOROVOD_CACHE_CAPACITY") == expected, environ

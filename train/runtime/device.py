@@ -35,8 +35,8 @@ import torch
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["DeviceSetup", "loader_generator", "make_deterministic", "resolve_device", "resolve_precision",
-           "setup_device"]
+__all__ = ["DeviceSetup", "horovod_elastic_defaults", "loader_generator", "make_deterministic", "resolve_device",
+           "resolve_precision", "setup_device"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -142,6 +142,25 @@ def horovod_cpu_defaults(device_choice: str, environ: dict[str, str] | None = No
     cuda = torch.cuda.is_available() if cuda_available is None else cuda_available
     if device_choice == "cpu" or (device_choice == "auto" and not cuda):
         environ.setdefault("HOROVOD_CYCLE_TIME", CPU_CYCLE_TIME_MS)
+
+
+def horovod_elastic_defaults(environ: dict[str, str] | None = None) -> None:
+    """Horovod's response cache off in a Horovod elastic worker (``HOROVOD_ELASTIC=1``); call before ``hvd.init``.
+
+    With the cache on (Horovod's default, 1024 entries), collectives that ran
+    before skip rank 0's negotiation: the ranks agree on a bit vector whose
+    positions name cached responses and fuse those locally. After a host is
+    added, survivors and joiners submit the same collectives in the same
+    order, yet from the second step of the new world, the first that uses
+    cached responses, they execute different ones and Gloo aborts on both
+    sides (``op.preamble.length <= op.nbytes``, issue 27; Horovod 0.28.1).
+    Without the cache rank 0 negotiates every collective, which costs one
+    more small exchange per cycle. Set even over the user's value: with the
+    cache on, adding a host ends the job.
+    """
+    environ = os.environ if environ is None else environ
+    if environ.get("HOROVOD_ELASTIC", "0") == "1":
+        environ["HOROVOD_CACHE_CAPACITY"] = "0"
 
 
 def make_deterministic(environ: dict[str, str] | None = None) -> None:

@@ -35,7 +35,8 @@ from torch import nn
 
 from pksampler import comm
 
-from pksampler.train.runtime.device import DeviceSetup, horovod_cpu_defaults, setup_device
+from pksampler.train.runtime.device import (DeviceSetup, horovod_cpu_defaults, horovod_elastic_defaults,
+                                            setup_device)
 
 __all__ = ["Backend", "CollectiveTimeout", "HorovodBackend", "TorchBackend", "make_backend"]
 
@@ -143,6 +144,7 @@ class HorovodBackend(Backend):
         import horovod.torch as hvd
 
         horovod_cpu_defaults(device)
+        horovod_elastic_defaults()  # survivors and joiners of a reset must agree on every collective
         hvd.init()
         self.hvd = hvd
         super().__init__(device, precision)
