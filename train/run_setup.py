@@ -49,7 +49,9 @@ from pksampler.train.engine.hooks import (
     FinalArtifactsHook,
     HardNegativeHook,
     HookBase,
+    MainRank,
     MetricsLogHook,
+    OnMainRank,
     ProgressHook,
     TensorBoardHook,
 )
@@ -68,7 +70,7 @@ from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
 from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
 from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
-from pksampler.train.engine.trainer import StepParts, Trainer, TrainState
+from pksampler.train.engine.trainer import StepParts, Trainer, TrainState, replay_history
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
 __all__ = ["CHECKPOINT_FORMAT", "Run", "TrainResult", "assemble", "main", "train"]
@@ -264,15 +266,18 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
            checkpoints: CheckpointHook) -> list[HookBase]:
     """The standard hooks in their order: the epoch's checkpoint is written before evaluation."""
     backend, parts = trainer.parts.backend, trainer.parts
-    is_main = backend.rank == 0
+    elastic = _horovod_elastic(backend)
+    # Under Horovod elastic rank 0 can change hands (its host left): every process holds the rank-0 hooks and
+    # asks at each call; elsewhere the rank is fixed.
+    is_main: MainRank = (lambda: backend.rank == 0) if elastic else backend.rank == 0
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
                                  gallery_queries=config.train.gallery_queries,
                                  max_bad_fraction=config.data.max_bad_fraction, view=data.view)
     hooks: list[HookBase] = []
-    if is_main:
-        hooks.append(ProgressHook(Progress(parts.sampler.num_batches, parts.epochs,
-                                           every_seconds=config.train.progress_every_seconds)))
+    main_only = _main_only_hooks(is_main)
+    hooks += main_only([lambda: ProgressHook(Progress(parts.sampler.num_batches, parts.epochs,
+                                                      every_seconds=config.train.progress_every_seconds))])
     if getattr(parts.sampler, "needs_class_neighbours", False):
         hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
                                       parts.sampler, backend, epochs=parts.epochs))
@@ -291,12 +296,21 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     store = getattr(data.dataset, "store", None)
     if store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
         hooks.append(ObjectStoreHook(store, backend, is_main=is_main))
-    if is_main:
-        hooks.append(FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs))
-        if not _horovod_elastic(trainer.parts.backend):  # elastic: lines are written at commits (CommittedMetricsHook)
-            hooks.append(MetricsLogHook(log))
-        if _tensorboard_wanted(config.train.tensorboard):
-            hooks.append(TensorBoardHook(TensorBoardWriter(workspace)))
+    hooks += main_only([lambda: FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs)])
+    if not elastic:  # elastic: lines are written at commits (CommittedMetricsHook)
+        hooks += main_only([lambda: MetricsLogHook(log)])
+    if _tensorboard_wanted(config.train.tensorboard):
+        hooks += main_only([lambda: TensorBoardHook(TensorBoardWriter(workspace))])
+    return hooks
+
+
+def _main_only_hooks(is_main: MainRank) -> Callable[[list[Callable[[], HookBase]]], list[HookBase]]:
+    """Rank-0 hooks from their builders: built now on rank 0 (none elsewhere), or, when rank 0 can change hands,
+    wrapped so that whichever process is rank 0 builds and runs them (:class:`OnMainRank`)."""
+    def hooks(builders: list[Callable[[], HookBase]]) -> list[HookBase]:
+        if callable(is_main):
+            return [OnMainRank(build, is_main) for build in builders]
+        return [build() for build in builders] if is_main else []
     return hooks
 
 
@@ -339,20 +353,6 @@ def _embed_training_set(parts: StepParts, data: DataParts, image_size: int) -> t
     return embed(parts.model, plain, parts.backend, view=data.view), plain.labels
 
 
-def _replay_events(trainer: Trainer, path: Path) -> None:
-    """A resumed run's history from ``metrics.jsonl`` (already cut back to the checkpoint's step).
-
-    The epoch's checkpoint is written before its evaluation, so an evaluation
-    logged after the checkpoint also sets ``best`` and the latest metrics.
-    """
-    trainer.storage.replay(path)
-    evaluations = trainer.storage.records("eval")
-    if evaluations:
-        state = trainer.state
-        state.best = max(state.best, *(float(r["recall_at_1"]) for r in evaluations))
-        state.final_metrics = {k: v for k, v in evaluations[-1].items() if k not in ("type", "epoch", "global_step")}
-
-
 def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,
              model: torch.nn.Module | None = None) -> Run:
     """Build every part of a run; the config is read here and nowhere else."""
@@ -390,7 +390,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     if saved is not None:
         log.truncate_after(trainer.state.global_step)
         if is_main:
-            _replay_events(trainer, workspace / "metrics.jsonl")
+            replay_history(trainer, workspace / "metrics.jsonl")
     else:
         _start_afresh(workspace, log, is_main)
     if is_main:
@@ -410,20 +410,24 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
                                  metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()},
                                  is_main=is_main or elastic, finish=writer.close if writer is not None else None)
     trainer.register([*_hooks(config, trainer, data, log, checkpoints), *extra_hooks])
-    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data, checkpoints) if elastic else None)
+    if not elastic:
+        return Run(trainer, workspace, log, lock)
+    lock = lock if lock is not None else WorkspaceLock(workspace)  # taken if this process becomes rank 0
+    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data, checkpoints, lock))
 
 
-def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts,
-                   checkpoints: CheckpointHook) -> Callable[[], TrainState]:
+def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts, checkpoints: CheckpointHook,
+                   lock: WorkspaceLock) -> Callable[[], TrainState]:
     """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world,
-    ``last.pt`` written only at a commit."""
+    ``last.pt`` written only at a commit, the workspace taken by a new rank 0."""
     backend = trainer.parts.backend
     return lambda: run_elastic(
         trainer, commit_every=config.train.commit_every,
         rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed,
                                                          shard_ids=shard_ids_of(data.train)),
         gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
-        checkpoints=checkpoints, before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
+        checkpoints=checkpoints, before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend),
+        workspace_lock=lock)
 
 
 def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,

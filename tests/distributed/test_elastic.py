@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -33,6 +34,9 @@ SETTINGS = ("train.max_steps=12", "train.commit_every=2", "data.workers=0", "tra
 CHECKPOINTS_BETWEEN_COMMITS = ("train.max_steps=6", "train.checkpoint_every=3", "train.commit_every=100",
                                "data.args.num_classes=40", "data.args.image_size=24", "data.image_size=16",
                                "model.width=8", "data.workers=0", "train.tensorboard=false")
+#: two epochs of 7 steps, each ending with an evaluation
+TWO_SHORT_EPOCHS = ("train.epochs=2", "train.eval_every=1", "train.commit_every=2", "data.args.num_classes=40",
+                    "data.args.image_size=24", "data.image_size=16", "model.width=8", "data.workers=0")
 
 #: the added-host run: SGD, whose steps are linear in the gradient (AdamW's first steps divide by the gradients'
 #: own size and grow the rounding of the sums to 5e-3 in the parameters within 12 steps, at any world size)
@@ -54,10 +58,15 @@ class ElasticRun:
     records: Path
 
 
-def run_elastic(tmp_path: Path, *, hosts: str, then: str, np: int, min_np: int, max_np: int, after_step: int,
+def run_elastic(tmp_path: Path, *, hosts: str, then: str | Callable[[Path], str], np: int, min_np: int,
+                max_np: int, after_step: int,
                 timeout: float = 420.0, env: dict[str, str] | None = None,
                 settings: tuple[str, ...] = SETTINGS) -> ElasticRun:
-    """``horovodrun`` elastic over a discovery script printing ``hosts``, switched to ``then`` after a step."""
+    """``horovodrun`` elastic over a discovery script printing ``hosts``, switched to ``then`` after a step.
+
+    ``then`` may be a function of the records folder (what the ranks trained so far), for a change that depends
+    on where Horovod put the ranks.
+    """
     hosts_file = tmp_path / "hosts.txt"
     hosts_file.write_text(hosts)
     workspace, records = tmp_path / "ws", tmp_path / "records"
@@ -72,7 +81,7 @@ def run_elastic(tmp_path: Path, *, hosts: str, then: str, np: int, min_np: int, 
     try:
         while process.poll() is None and time.monotonic() < deadline:
             if _steps_logged(workspace) >= after_step:
-                hosts_file.write_text(then)
+                hosts_file.write_text(then(records) if callable(then) else then)
                 changed_at = time.time()
                 break
             time.sleep(0.5)
@@ -111,12 +120,12 @@ def _logged_steps(workspace: Path) -> list[int]:
     return [record["global_step"] for record in map(json.loads, lines) if record["type"] == "step"]
 
 
-def uninterrupted_plan(steps: int) -> list[list[tuple[int, int]]]:
+def uninterrupted_plan(steps: int, settings: tuple[str, ...] = SETTINGS) -> list[list[tuple[int, int]]]:
     """(epoch, sample index) pairs of global steps 1..steps: the sampler at one rank, the run's config."""
     from pksampler.train.builders import build_data, build_sampler
     from pksampler.train.config.load import load_config
 
-    config = load_config(ROOT / "configs" / "demo.yaml", list(SETTINGS))
+    config = load_config(ROOT / "configs" / "demo.yaml", list(settings))
     sampler = build_sampler(config.sampler, build_data(config).train.labels, 1, 0, config.seed)
     plan, epoch = [], 0
     while len(plan) < steps:
@@ -152,12 +161,12 @@ def _parameters_per_run(records: Path) -> dict[int, list[set[float]]]:
     return {step: list(worlds.values()) for step, worlds in runs.items()}
 
 
-def check_exactly_the_plan(run: ElasticRun, steps: int) -> dict[int, dict]:
+def check_exactly_the_plan(run: ElasticRun, steps: int, settings: tuple[str, ...] = SETTINGS) -> dict[int, dict]:
     assert run.returncode == 0, run.output[-6000:]
     assert _logged_steps(run.workspace) == list(range(1, steps + 1)), run.output[-3000:]
     trained = committed_steps(run.records)
     assert sorted(trained) == list(range(1, steps + 1))
-    for step, expected in enumerate(uninterrupted_plan(steps), start=1):
+    for step, expected in enumerate(uninterrupted_plan(steps, settings), start=1):
         assert trained[step]["ranks"] == list(range(trained[step]["size"])), (step, trained[step])
         assert trained[step]["pairs"] == expected, f"global step {step} trained other samples than the plan"
     # A joiner that did not receive the state would train other parameters than the survivors.
@@ -273,3 +282,31 @@ def test_a_job_killed_after_a_checkpoint_resumes_with_every_step_logged_once(tmp
     steps = _logged_steps(workspace)
     assert steps == list(range(1, 7)), (f"metrics.jsonl holds the steps {steps}, expected 1..6 each once (the job "
                                         f"was killed with last.pt at step 3, before any commit)")
+
+
+def _without_rank_0s_host(records: Path) -> str:
+    """The discovery answer without the host of rank 0 (Horovod's placement of the two hosts varies by run)."""
+    hosts = {r["host"] for path in records.glob("*.jsonl") for r in map(json.loads, path.read_text().splitlines())
+             if r["rank"] == 0}
+    assert len(hosts) == 1 and hosts <= {"localhost", "127.0.0.1"}, hosts
+    return "127.0.0.1:2\n" if hosts == {"localhost"} else "localhost:2\n"
+
+
+def test_when_rank_0s_host_leaves_the_new_rank_0_takes_over_the_workspace(tmp_path):
+    run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=_without_rank_0s_host, np=4, min_np=2, max_np=4, after_step=4,
+                      settings=TWO_SHORT_EPOCHS)
+    trained = check_exactly_the_plan(run, 14, TWO_SHORT_EPOCHS)
+    assert trained[1]["size"] == 4 and trained[14]["size"] == 2, {s: t["size"] for s, t in trained.items()}
+    records = [json.loads(line) for line in (run.workspace / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [record for record in records if record["type"] == "eval"]
+    # Both evaluations (epoch 1 at step 7, epoch 2 at step 14) ran after rank 0's host left.
+    assert [(r["epoch"], r["global_step"]) for r in evaluations] == [(1, 7), (2, 14)], evaluations
+    final = json.loads((run.workspace / "final_metrics.json").read_text())
+    assert final == {k: v for k, v in evaluations[-1].items() if k not in ("type", "epoch", "global_step")}
+    assert (run.workspace / "checkpoints" / "best.pt").is_file() and (run.workspace / "curves.png").is_file()
+    holder = (run.workspace / ".lock").read_text().strip()
+    rank_0_at = {(int(path.stem), r["global_step"]) for path in run.records.glob("*.jsonl")  # <pid>.jsonl
+                 for r in map(json.loads, path.read_text().splitlines()) if r["rank"] == 0}
+    assert holder == f"pid {max(rank_0_at, key=lambda pair: pair[1])[0]} on host {socket.gethostname()}", holder
+    assert len({pid for pid, _ in rank_0_at}) == 2, "rank 0 did not change hands"
+    assert "is rank 0 now and writes the workspace" in run.output, run.output[-3000:]

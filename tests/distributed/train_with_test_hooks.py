@@ -145,6 +145,7 @@ class RecordBatches(HookBase):
         parts, state = self.trainer.parts, self.trainer.state
         record = dict(global_step=state.global_step, epoch=state.epoch, step=state.consumed, rank=parts.backend.rank,
                       size=parts.backend.size, world_started=self.world_started,
+                      host=os.environ.get("HOROVOD_HOSTNAME", ""),  # the slot's host as Horovod names it
                       indices=sorted(parts.train_set.fetched),
                       parameters=float(sum(p.detach().double().sum() for p in parts.model.parameters())),
                       time=time.time())

@@ -29,6 +29,7 @@ from pksampler.train.engine.hooks import (
     HardNegativeHook,
     HookBase,
     MetricsLogHook,
+    OnMainRank,
     ProgressHook,
     TensorBoardHook,
 )
@@ -183,6 +184,27 @@ def test_hooks_registered_first_run_before_the_others_in_their_own_order():
     trainer.register([b, c], first=True)
     trainer.register([d])
     assert trainer.hooks == [b, c, a, d] and all(hook.trainer is trainer for hook in (a, b, c, d))
+
+
+def test_a_rank_0_hook_is_built_and_called_only_while_its_process_is_rank_0():
+    """Horovod elastic: rank 0 changes hands; the new one builds the hook (a display, an event file) and runs it."""
+    main, built = [False], []
+
+    def build() -> Recorder:
+        built.append(Recorder())
+        return built[-1]
+
+    wrapped = OnMainRank(build, lambda: main[0])
+    trainer = make_trainer([wrapped])
+    trainer.train()  # 2 epochs of 3 steps, never rank 0
+    assert built == []
+    main[0] = True
+    trainer.state.epoch = 1  # one more epoch, now as rank 0
+    trainer.parts.epochs = 2
+    trainer.train()
+    assert len(built) == 1 and built[0].trainer is trainer
+    assert [c[0] for c in built[0].calls] == ["before_train", "before_epoch", "after_step", "after_step", "after_step",
+                                              "after_epoch", "after_train"]
 
 
 def test_metrics_log_writes_each_step_and_each_new_record_but_not_the_replayed_ones(tmp_path):

@@ -73,7 +73,8 @@ import torch
 
 from pksampler.train.engine.hooks import CheckpointHook, HookBase
 from pksampler.train.errors import ConfigError
-from pksampler.train.engine.trainer import Trainer, TrainState
+from pksampler.train.engine.trainer import Trainer, TrainState, replay_history
+from pksampler.train.runtime.workspace import WorkspaceLock
 
 __all__ = [
     "CommitHook",
@@ -404,9 +405,31 @@ def _refresh_world(trainer: Trainer, gather_wanted: bool) -> None:
     parts.gather = gather_wanted and backend.size > 1
 
 
+#: how long a new rank 0 waits for the workspace lock of the rank 0 whose host left (its process is stopping)
+TAKE_OVER_WAIT_SECONDS = 60.0
+
+
+def _take_over_the_workspace(trainer: Trainer, lock: WorkspaceLock, metrics_path: Path) -> None:
+    """After a reset: a process that became rank 0 (the old one's host left) takes the workspace.
+
+    It takes the lock, and its event storage becomes the committed history
+    in ``metrics.jsonl`` with its best and latest evaluation (put by the old
+    rank 0 only; the state sync that follows gives them to every rank), so
+    the curves, ``final_metrics.json``, ``best.pt`` and later records are
+    written by this process from here on.
+    """
+    if trainer.parts.backend.rank != 0 or lock.held:
+        return
+    lock.acquire(wait_seconds=TAKE_OVER_WAIT_SECONDS)
+    replay_history(trainer, metrics_path)
+    print(f"[pksampler] Horovod elastic: rank 0's host left; this process (pid {os.getpid()}) is rank 0 now and "
+          f"writes the workspace {metrics_path.parent}", flush=True)
+
+
 def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callable[[int, int], Any],
                 gather_wanted: bool, metrics_path: Path, checkpoints: CheckpointHook | None = None,
-                before_start: Callable[[], None] = lambda: None) -> TrainState:
+                before_start: Callable[[], None] = lambda: None,
+                workspace_lock: WorkspaceLock | None = None) -> TrainState:
     """Train under ``hvd.elastic.run``; returns the final state.
 
     ``rebuild_sampler(world_size, rank)`` builds this rank's sampler for a
@@ -414,7 +437,8 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     only at a commit (:func:`register_commits`); ``before_start`` runs on
     every rank of each new world before its first step (collective checks
     belong there, never before ``hvd.elastic.run``: a joiner would meet the
-    survivors' sync).
+    survivors' sync). ``workspace_lock`` (held by rank 0) is taken by the
+    process that becomes rank 0 when the old one's host leaves.
     """
     import horovod.torch as hvd
     from horovod.common.elastic import run_fn
@@ -441,8 +465,10 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     state = hvd.elastic.TorchState(model=parts.model, optimizer=parts.optimizer, loss=parts.loss_fn,
                                    scheduler=parts.scheduler, sampler=parts.sampler, train=trainer.state)
     metrics = CommittedMetricsHook(metrics_path, lambda: backend.rank == 0)
-    state.register_reset_callbacks([functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop,
-                                    made[0].reshard])
+    callbacks = [functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop, made[0].reshard]
+    if workspace_lock is not None:
+        callbacks.append(functools.partial(_take_over_the_workspace, trainer, workspace_lock, metrics_path))
+    state.register_reset_callbacks(callbacks)
     register_commits(trainer, state, metrics, checkpoints, every=commit_every)
     _keep_hooks_open_across_resets(trainer)
 

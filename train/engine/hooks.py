@@ -40,9 +40,56 @@ __all__ = [
     "HookBase",
     "MetricsLogHook",
     "ObjectStoreHook",
+    "OnMainRank",
     "ProgressHook",
     "TensorBoardHook",
 ]
+
+
+#: "this process is the main rank": a fixed flag, or a callable asked each time (under Horovod elastic, rank 0
+#: can change hands when its host leaves)
+MainRank = bool | Callable[[], bool]
+
+
+def _is_main(flag: MainRank) -> bool:
+    return bool(flag()) if callable(flag) else bool(flag)
+
+
+class OnMainRank(HookBase):
+    """A rank-0 hook in a run whose rank 0 can change (Horovod elastic): built and called only while ``is_main()``.
+
+    ``build()`` makes the hook the first time this process is the main rank,
+    so a display or an event file is opened only by the process that uses
+    it; after a reset that made this process rank 0 the loop starts again
+    with ``before_train``, and the hook from then on.
+    """
+
+    def __init__(self, build: Callable[[], HookBase], is_main: Callable[[], bool]) -> None:
+        self.build, self.is_main = build, is_main
+        self.hook: HookBase | None = None
+
+    def _forward(self, point: str) -> None:
+        if not self.is_main():
+            return
+        if self.hook is None:
+            self.hook = self.build()
+            self.hook.trainer = self.trainer
+        getattr(self.hook, point)()
+
+    def before_train(self) -> None:
+        self._forward("before_train")
+
+    def before_epoch(self) -> None:
+        self._forward("before_epoch")
+
+    def after_step(self) -> None:
+        self._forward("after_step")
+
+    def after_epoch(self) -> None:
+        self._forward("after_epoch")
+
+    def after_train(self) -> None:
+        self._forward("after_train")
 
 
 class MetricsLogHook(HookBase):
@@ -184,7 +231,7 @@ class EvaluationHook(HookBase):
     """
 
     def __init__(self, evaluate: Callable[[int], dict[str, float]], save: Callable[[str], None], *,
-                 every: int, epochs: int, is_main: bool, gallery: Callable[[], Path | None] = lambda: None,
+                 every: int, epochs: int, is_main: MainRank, gallery: Callable[[], Path | None] = lambda: None,
                  share: Callable[[bool], bool] = lambda flag: flag) -> None:
         self.evaluate, self.save, self.gallery = evaluate, save, gallery
         self.every, self.epochs, self.is_main = every, epochs, is_main
@@ -195,7 +242,7 @@ class EvaluationHook(HookBase):
         if state.epoch % self.every and state.epoch != self.epochs:
             return
         metrics = self.evaluate(state.epoch)
-        improved = self._record(metrics) if self.is_main else False
+        improved = self._record(metrics) if _is_main(self.is_main) else False
         # Every rank saves together: a sharded head gathers its rows from all ranks to build the checkpoint.
         if self.share(improved):
             self.save("best.pt")
@@ -256,7 +303,7 @@ class BadImageHook(HookBase):
     decision.
     """
 
-    def __init__(self, dataset: Any, backend: Any, *, max_fraction: float, is_main: bool) -> None:
+    def __init__(self, dataset: Any, backend: Any, *, max_fraction: float, is_main: MainRank) -> None:
         self.dataset, self.backend, self.max_fraction = dataset, backend, max_fraction
         self.is_main = is_main
 
@@ -266,7 +313,7 @@ class BadImageHook(HookBase):
         if not bad:
             return
         epoch = self.trainer.state.epoch
-        if self.is_main:
+        if _is_main(self.is_main):
             self.trainer.storage.put_record("bad_images", epoch=epoch, global_step=self.trainer.state.global_step,
                                             bad=bad, total=total)
             print(f"[pksampler] epoch {epoch}: {bad} of {total} images could not be decoded and were replaced by "
@@ -284,7 +331,7 @@ class ObjectStoreHook(HookBase):
     ``metrics.jsonl`` as an ``objectstore`` record (run totals) and printed by rank 0. No credential is involved.
     """
 
-    def __init__(self, store: Any, backend: Any, *, is_main: bool) -> None:
+    def __init__(self, store: Any, backend: Any, *, is_main: MainRank) -> None:
         self.store, self.backend, self.is_main = store, backend, is_main
         self.started = time.monotonic()
 
@@ -298,7 +345,7 @@ class ObjectStoreHook(HookBase):
         local = np.array(self.store.counts(), dtype=np.int64)
         gets, size = (int(v) for v in self.backend.allgather_numpy(local).sum(axis=0))
         seconds = max(time.monotonic() - self.started, 1e-9)
-        if self.is_main:
+        if _is_main(self.is_main):
             state = self.trainer.state
             self.trainer.storage.put_record("objectstore", epoch=state.epoch, global_step=state.global_step, gets=gets,
                                             bytes=size, gets_per_s=gets / seconds, cost_usd=cost_usd(gets))

@@ -19,6 +19,7 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -28,7 +29,7 @@ from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
 
-__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "gather_batch"]
+__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "gather_batch", "replay_history"]
 
 
 class HookBase:
@@ -315,3 +316,21 @@ class Trainer:
                 "stopped. The last good checkpoint is kept: lower optim.lr, raise optim.warmup_steps or check "
                 "the data, then resume or start afresh"
             )
+
+
+def replay_history(trainer: Trainer, path: Path) -> None:
+    """A run's history from its ``metrics.jsonl`` into a fresh event storage, with the best and latest evaluation.
+
+    Used by a resumed run (the file already cut back to the checkpoint's
+    step) and by a process that becomes rank 0 under Horovod elastic (the
+    file holds the committed steps). The epoch's checkpoint is written before
+    its evaluation, so an evaluation logged after the checkpoint also sets
+    ``best`` and the latest metrics.
+    """
+    trainer.storage = EventStorage()
+    trainer.storage.replay(path)
+    evaluations = trainer.storage.records("eval")
+    if evaluations:
+        state = trainer.state
+        state.best = max(state.best, *(float(r["recall_at_1"]) for r in evaluations))
+        state.final_metrics = {k: v for k, v in evaluations[-1].items() if k not in ("type", "epoch", "global_step")}

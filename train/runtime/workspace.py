@@ -18,6 +18,7 @@ import json
 import math
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,9 +48,19 @@ class WorkspaceLock:
         self.path = workspace / ".lock"
         self.handle = None
 
-    def acquire(self) -> None:
-        handle, holder = lock_exclusively(self.path, f"pid {os.getpid()} on host {socket.gethostname()}",
-                                          unknown="an unknown process")
+    @property
+    def held(self) -> bool:
+        return self.handle is not None
+
+    def acquire(self, *, wait_seconds: float = 0.0) -> None:
+        """Take the lock; held by another process, retry for ``wait_seconds`` (a process that is going away)."""
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            handle, holder = lock_exclusively(self.path, f"pid {os.getpid()} on host {socket.gethostname()}",
+                                              unknown="an unknown process")
+            if handle is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
         if handle is None:
             raise ConfigError(
                 f"workspace: {self.path.parent} is in use by another job ({holder}); wait for it to finish "
