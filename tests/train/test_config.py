@@ -95,6 +95,17 @@ def test_bad_set_syntax_is_one_clear_error():
         load_config(None, ["train.epochs"], environ={})
 
 
+def test_a_flow_mapping_without_the_space_after_its_colons_is_named():
+    """``{num_classes:160}`` is YAML for one key 'num_classes:160' with no value: say so, not 'missing arguments'."""
+    with pytest.raises(ConfigError, match=r"--set loss.args: .* reads 'embedding_size:64' as one key with no value; "
+                                          r"YAML needs a space after the colon, as in \{embedding_size: 64\}"):
+        load_config(None, ["loss.args={num_classes: 160, embedding_size:64}"], environ={})
+    spaced = load_config(None, ["loss.name=pml.ArcFaceLoss", "loss.args={num_classes: 160, embedding_size: 64}"],
+                         environ={})
+    assert spaced.loss.args == {"num_classes": 160, "embedding_size": 64}
+    assert load_config(None, ["data.root=s3://bucket/prefix"], environ={}).data.root == "s3://bucket/prefix"
+
+
 def test_environment_overrides_file_and_set_overrides_environment(tmp_path):
     environ = {"EPOCHS": "5", "LR": "0.01", "WORKSPACE": str(tmp_path / "ws"), "DATASETS_PATH": "/data",
                "DATASETS": "sop", "WORKER_PER_NODE": "3"}

@@ -62,7 +62,29 @@ def parse_override(text: str) -> tuple[str, Any]:
     except yaml.YAMLError as error:
         reason = str(error).splitlines()[0]
         raise ConfigError(f"--set {key.strip()}: {raw!r} is not a valid YAML value ({reason})") from None
+    glued = _glued_key(value)
+    if glued is not None:
+        name, _, rest = glued.partition(":")
+        raise ConfigError(f"--set {key.strip()}: {raw!r} reads {glued!r} as one key with no value; YAML needs a "
+                          f"space after the colon, as in {{{name}: {rest}}}")
     return key.strip(), value
+
+
+def _glued_key(value: Any) -> str | None:
+    """A mapping key like ``'num_classes:160'`` with no value: ``{a:1}`` written without YAML's space."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if item is None and isinstance(key, str) and ":" in key and not key.endswith(":"):
+                return key
+            found = _glued_key(item)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for item in value:
+            found = _glued_key(item)
+            if found is not None:
+                return found
+    return None
 
 
 def epochs_replace_steps(tree: dict, environ: Mapping[str, str], overrides: Sequence[tuple[str, Any]]) -> None:
