@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 from pksampler.datasets import SyntheticProducts
 from pksampler.datasets.pack import pack
+from pksampler.datasets.upload import upload
 
 
 def synthetic_pack(folder: Path, out: Path, *, num_classes: int, images_per_class: int, image_size: int,
@@ -19,3 +22,10 @@ def synthetic_pack(folder: Path, out: Path, *, num_classes: int, images_per_clas
         synthetic.render(index).save(path, format="PNG")
     pack(folder, out, shard_size=shard_size)
     return out
+
+
+def uploaded(local: Path, seaweed: Any, url: str) -> str:
+    """Upload the packed set ``local`` to ``url`` on the test's SeaweedFS (its credentials into the environment)."""
+    os.environ.update(seaweed.environment())
+    upload(local, url)
+    return url

@@ -3,7 +3,6 @@ per host, bytes identical to the local shards, the folder within its limit, dama
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -12,8 +11,7 @@ from torch.utils.data import DataLoader
 from pksampler import DistributedBalancedBatchSampler
 from pksampler.datasets import ShardedDataset
 from pksampler.datasets.blockcache import BlockCache
-from pksampler.datasets.upload import upload
-from synthetic_pack import synthetic_pack
+from synthetic_pack import synthetic_pack, uploaded
 
 BLOCK = 64 << 10
 
@@ -26,10 +24,7 @@ def local_pack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def remote_pack(local_pack, seaweed):
-    os.environ.update(seaweed.environment())
-    url = "s3://pksampler-test/packs/blocks"
-    upload(local_pack, url)
-    return url
+    return uploaded(local_pack, seaweed, "s3://pksampler-test/packs/blocks")
 
 
 @pytest.fixture(autouse=True)

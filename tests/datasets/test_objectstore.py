@@ -6,6 +6,7 @@ started once for the session; nothing is mocked.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -16,8 +17,7 @@ from torch.utils.data import DataLoader
 from pksampler import DistributedBalancedBatchSampler
 from pksampler.datasets import ShardedDataset
 from pksampler.datasets.objectstore import ObjectStoreError, cost_usd, split_url
-from pksampler.datasets.upload import upload
-from synthetic_pack import synthetic_pack
+from synthetic_pack import synthetic_pack, uploaded
 
 
 @pytest.fixture(scope="module")
@@ -28,12 +28,7 @@ def local_pack(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def remote_pack(local_pack, seaweed):
-    import os
-
-    os.environ.update(seaweed.environment())
-    url = "s3://pksampler-test/packs/demo"
-    upload(local_pack, url)
-    return url
+    return uploaded(local_pack, seaweed, "s3://pksampler-test/packs/demo")
 
 
 @pytest.fixture(autouse=True)
@@ -102,7 +97,7 @@ def test_wrong_credentials_and_a_missing_key_are_one_line_each(remote_pack, seaw
 def test_the_command_line_upload_and_a_bad_url(local_pack, seaweed, tmp_path):
     done = subprocess.run([sys.executable, "-m", "pksampler.datasets.upload", str(local_pack),
                            "s3://pksampler-test/packs/cli"], capture_output=True, text=True,
-                          env={**__import__("os").environ, **seaweed.environment()}, timeout=120)
+                          env={**os.environ, **seaweed.environment()}, timeout=120)
     assert done.returncode == 0, done.stderr
     assert seaweed.environment()["AWS_SECRET_ACCESS_KEY"] not in done.stdout + done.stderr
     assert len(ShardedDataset("s3://pksampler-test/packs/cli")) == len(ShardedDataset(local_pack))
