@@ -203,9 +203,6 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     if backend.size > 1 and not config.train.gather_embeddings:
         raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
                           "global batch)")
-    if _horovod_elastic(backend):
-        raise ConfigError("head.name: a sharded head does not run under Horovod elastic yet (its rows would need "
-                          "re-sharding at a reset); use torchrun elastic, which restarts from the checkpoint")
     num_classes = int(np.asarray(data.dataset.labels).max()) + 1
     spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
                     subcentres=head.subcentres, weight=head.weight)

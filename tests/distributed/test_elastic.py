@@ -204,16 +204,22 @@ def test_added_hosts_receive_the_state_and_their_joiners_train_to_the_end(tmp_pa
     assert sizes[1] == 2 and sizes[12] == 4, sizes
     _report("host added", run, trained)
     # The same global batches in one process: the same losses and final model, up to the order of the sums.
-    alone = subprocess.run([sys.executable, str(SCRIPT), "--set", f"workspace={tmp_path / 'alone'}",
-                            *(arg for setting in JOIN_SETTINGS for arg in ("--set", setting))],
-                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                           timeout=300)
-    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
-    losses, reference = (_step_losses(path) for path in (run.workspace, tmp_path / "alone"))
+    losses, reference = _step_losses(run.workspace), _step_losses(_train_alone(tmp_path, JOIN_SETTINGS))
     gaps = [abs(a - b) for a, b in zip(losses, reference)]
     # through step 7, the new world's first, the sums round alike: a joiner without the committed state would not
     assert len(losses) == 12 and max(gaps[:7]) < 1e-6 and max(gaps) < SUM_ORDER_TOLERANCE, (losses, reference)
     _check_same_model(run.workspace, tmp_path / "alone")
+
+
+def _train_alone(tmp_path: Path, settings: tuple[str, ...]) -> Path:
+    """The test trainer in one process with ``settings``; its workspace."""
+    workspace = tmp_path / "alone"
+    alone = subprocess.run([sys.executable, str(SCRIPT), "--set", f"workspace={workspace}",
+                            *(arg for setting in settings for arg in ("--set", setting))],
+                           cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                           timeout=300)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    return workspace
 
 
 def _step_losses(workspace: Path) -> list[float]:
@@ -222,15 +228,19 @@ def _step_losses(workspace: Path) -> list[float]:
 
 
 def _check_same_model(workspace: Path, reference: Path) -> None:
+    """``last.pt`` at step 12 in both: the same model (and head rows and momentum, with a head) up to sum order."""
     import torch
 
     from pksampler.train.engine.checkpoint import load_checkpoint
 
     got, want = (load_checkpoint(path / "checkpoints" / "last.pt") for path in (workspace, reference))
     assert got["state"]["global_step"] == want["state"]["global_step"] == 12
-    worst = {name: float((torch.as_tensor(got["model"][name]) - torch.as_tensor(value)).abs().max())
-             for name, value in want["model"].items()}
-    print(f"[elastic] host added: largest parameter difference to one process {max(worst.values()):.2e}", flush=True)
+    pairs = {name: (got["model"][name], value) for name, value in want["model"].items()}
+    if "head" in want["loss"]:
+        pairs.update({f"head.{key}": (got["loss"]["head"][key], want["loss"]["head"][key])
+                      for key in ("rows", "momentum")})
+    worst = {name: float((torch.as_tensor(a) - torch.as_tensor(b)).abs().max()) for name, (a, b) in pairs.items()}
+    print(f"[elastic] largest parameter difference to one process {max(worst.values()):.2e}", flush=True)
     assert max(worst.values()) < SUM_ORDER_TOLERANCE, sorted(worst.items(), key=lambda item: -item[1])[:5]
 
 
@@ -310,3 +320,23 @@ def test_when_rank_0s_host_leaves_the_new_rank_0_takes_over_the_workspace(tmp_pa
     assert holder == f"pid {max(rank_0_at, key=lambda pair: pair[1])[0]} on host {socket.gethostname()}", holder
     assert len({pid for pid, _ in rank_0_at}) == 2, "rank 0 did not change hands"
     assert "is rank 0 now and writes the workspace" in run.output, run.output[-3000:]
+
+
+#: the join run with a row-sharded head beside the pair loss (cosface over every class each step)
+HEAD_SETTINGS = (*JOIN_SETTINGS, "head.name=cosface", "head.scale=16", "head.margin=0.2")
+
+
+@pytest.mark.parametrize("hosts, then, np", [(ONE_HOST, TWO_HOSTS, 2), (TWO_HOSTS, ONE_HOST, 4)],
+                         ids=["hosts-added", "host-removed"])
+def test_the_sharded_head_is_resharded_at_a_reset_and_trains_on_as_one_process(tmp_path, hosts, then, np):
+    # Issue 29: the trainer refused a head under Horovod elastic (the rows would need re-sharding at a reset).
+    # Every rank now holds the committed whole head: the survivors take their new ranges from it (a host that
+    # left takes no rows with it), joiners receive rank 0's copy.
+    run = run_elastic(tmp_path, hosts=hosts, then=then, np=np, min_np=2, max_np=4, after_step=3,
+                      settings=HEAD_SETTINGS)
+    trained = check_exactly_the_plan(run, 12, HEAD_SETTINGS)
+    assert {trained[1]["size"], trained[12]["size"]} == {2, 4}, {s: t["size"] for s, t in trained.items()}
+    losses, reference = _step_losses(run.workspace), _step_losses(_train_alone(tmp_path, HEAD_SETTINGS))
+    assert len(losses) == 12 and max(abs(a - b) for a, b in zip(losses, reference)) < SUM_ORDER_TOLERANCE, \
+        (losses, reference)
+    _check_same_model(run.workspace, tmp_path / "alone")

@@ -8,6 +8,7 @@ under horovodrun and torchrun.
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import numpy as np
@@ -168,6 +169,42 @@ def test_a_checkpoint_resumes_on_another_world_size_with_the_same_loss_trace():
     resumed = first + second + third
     assert np.allclose(resumed, straight, rtol=1e-6, atol=0), (resumed, straight)
     assert len(set(np.round(straight, 4))) > 1  # the head learns: the trace moves
+
+
+def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
+    """Horovod elastic, 3 ranks -> 2: the survivors' own head objects take their new ranges from the committed
+    whole head (every rank's copy) and train on as one process would."""
+    straight, _ = train_trace(1, range(6))
+    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=15)
+
+    def steps(head, rows, numbers) -> list[float]:
+        losses = []
+        for step in numbers:
+            embeddings, labels = inputs(100 + step)
+            loss = head(embeddings.clone().requires_grad_(True), labels)
+            loss.backward()
+            rows.step(lr=0.5)
+            losses.append(float(loss.detach()))
+        return losses
+
+    def before(group):
+        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
+        return steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict())
+
+    first = run_ranks(3, before)
+    survivors = [first[0], first[2]]  # rank 1's host left; each survivor keeps its own commit
+
+    def after(group):
+        _, head, rows, saved = survivors[group.rank]
+        head.collectives = group  # the backend's rank and size change in place at a reset
+        rows.reshard(saved)
+        assert (head.lo, head.hi) == shard_range(C, 2, group.rank) and rows.buffer.shape == head.rows.shape
+        return steps(head, rows, range(3, 6))
+
+    then = run_ranks(2, after)
+    assert then[0] == then[1]
+    assert np.allclose(first[0][0] + then[0], straight, rtol=1e-6, atol=0), (first[0][0] + then[0], straight)
 
 
 def test_the_checkpoint_loads_with_weights_only(tmp_path):

@@ -18,6 +18,10 @@ does not fit:
   a shuffled index list and repeats samples, horovod#3399).
 * :class:`TrainState` (epoch, batches done, global step, best) and the lr schedule: copies,
   restored in place, broadcast from rank 0.
+* a loss with a row-sharded head (:class:`HeadHandler`): save = the whole
+  head (every rank's rows and momentum, gathered), so a host that leaves
+  takes no rows with it; after a reset every rank takes its new range of
+  rows from that copy; a joiner receives rank 0's copy first.
 * optimizers: the state dict is broadcast and loaded; Horovod's own handler
   first takes a zero-gradient step on a rank with an empty state (a
   joiner), which moves weight-decayed parameters after they were synced.
@@ -67,7 +71,7 @@ import sys
 import threading
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -221,22 +225,61 @@ class _StateDictHandler:
         self.save()
 
 
+class HeadHandler:
+    """Elastic state of a loss with a row-sharded head (``HeadedLoss``): the whole head, re-sharded per world.
+
+    A commit gathers every rank's rows and momentum (a collective: every rank
+    commits at the same step), so each rank holds the whole committed head and
+    no rows are lost with a host that leaves. After a reset every rank takes
+    its new range from that copy (:meth:`reshard`, a reset callback: Horovod
+    skips the sync when hosts only left); when hosts join, :meth:`sync` gives
+    them rank 0's copy first. ``grad_divisor()`` is the new world's loss scale.
+    Nothing here is collective at construction: a joiner builds its state
+    before it meets the survivors.
+    """
+
+    name = "pksampler.elastic.head"
+
+    def __init__(self, value: Any, *, grad_divisor: Callable[[], float]) -> None:
+        self.value, self.grad_divisor = value, grad_divisor
+        self._saved: dict[str, Any] | None = None  # the first save is the body's, in the formed world
+
+    def save(self) -> None:
+        self._saved = copy.deepcopy(self.value.state_dict())
+
+    def restore(self) -> None:
+        """Nothing yet: the world is gone; the reset that follows re-shards from the committed copy."""
+
+    def sync(self) -> None:
+        self._saved = _broadcast(self._saved, self.name)
+        self.reshard()
+
+    def reshard(self) -> None:
+        if self._saved is not None:
+            self.value.reshard(copy.deepcopy(self._saved), grad_divisor=self.grad_divisor())
+
+    def set_value(self, value: Any) -> None:
+        self.value = value
+
+
 def _as_state_handler(cls: type) -> type:
     """``cls`` as a subclass of Horovod's ``StateHandler`` (imported only when Horovod is used)."""
     return type(cls.__name__, (cls, _base_handler()), {})
 
 
-def state_handlers(sampler_type: type,
-                   sampler_handler: Callable[[Any], SamplerHandler]) -> list[tuple[type, Callable[[Any], Any]]]:
+def state_handlers(sampler_type: type, sampler_handler: Callable[[Any], SamplerHandler],
+                   extra: Sequence[tuple[type, Callable[[Any], Any]]] = ()) -> list[tuple[type, Callable[[Any], Any]]]:
     """Horovod's handler registry with pksampler's handlers first (the first matching type wins).
 
     ``sampler_handler(sampler)`` makes the handler of a pksampler sampler of
-    ``sampler_type`` (it needs the trainer's position and a rebuild function).
+    ``sampler_type`` (it needs the trainer's position and a rebuild function);
+    ``extra`` come before the rest (the sharded head's loss).
     """
     from horovod.torch.elastic.state import ModelStateHandler
 
     return [
         (sampler_type, sampler_handler),
+        *extra,
         (TrainState, _as_state_handler(_TrainStateHandler)),
         (torch.optim.lr_scheduler.LRScheduler, _as_state_handler(_StateDictHandler)),
         (torch.optim.Optimizer, _as_state_handler(_StateDictHandler)),
@@ -461,11 +504,19 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
                                                       rebuild=rebuild))
         return made[-1]
 
-    hvd_state.set_handler_registry(state_handlers(type(parts.sampler), sampler_handler))
+    heads: list[HeadHandler] = []
+
+    def head_handler(loss: Any) -> HeadHandler:
+        heads.append(_as_state_handler(HeadHandler)(loss, grad_divisor=lambda: backend.gathered_loss_scale))
+        return heads[-1]
+
+    sharded = [(type(parts.loss_fn), head_handler)] if hasattr(parts.loss_fn, "reshard") else []
+    hvd_state.set_handler_registry(state_handlers(type(parts.sampler), sampler_handler, sharded))
     state = hvd.elastic.TorchState(model=parts.model, optimizer=parts.optimizer, loss=parts.loss_fn,
                                    scheduler=parts.scheduler, sampler=parts.sampler, train=trainer.state)
     metrics = CommittedMetricsHook(metrics_path, lambda: backend.rank == 0)
-    callbacks = [functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop, made[0].reshard]
+    callbacks = [functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop, made[0].reshard,
+                 *(head.reshard for head in heads)]
     if workspace_lock is not None:
         callbacks.append(functools.partial(_take_over_the_workspace, trainer, workspace_lock, metrics_path))
     state.register_reset_callbacks(callbacks)

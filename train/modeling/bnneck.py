@@ -36,9 +36,8 @@ class BNNeck(nn.Module):
         # running statistics are never used: retrieval reads the embeddings before the neck
         self.norm = nn.BatchNorm1d(dim, track_running_stats=False)
         self.norm.bias.requires_grad_(False)
-        self.grad_divisor = grad_divisor
-        if grad_divisor != 1.0:
-            self.norm.weight.register_hook(self._rescale)
+        self.grad_divisor = grad_divisor  # may change with the world size (a Horovod elastic reset)
+        self.norm.weight.register_hook(self._rescale)
 
     def _rescale(self, grad: torch.Tensor) -> torch.Tensor:
         return grad / self.grad_divisor

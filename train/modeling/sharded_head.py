@@ -220,6 +220,15 @@ class ShardedMarginHead(torch.nn.Module):
         self.rows.copy_(rows[self.lo:self.hi])
         self.step = int(saved["step"])
 
+    def reshard(self) -> None:
+        """Take this rank's range in the collectives' current world (after a Horovod elastic reset).
+
+        The rows are zero until a whole-head state is loaded (:meth:`load_state_dict_rows`).
+        """
+        self.lo, self.hi = shard_range(self.num_classes, self.collectives.size, self.collectives.rank)
+        self.rows = torch.zeros(self.hi - self.lo, self.spec.subcentres, self.dim, device=self.rows.device)
+        self.pending = None
+
     def memory_bytes(self) -> int:
         """Bytes of this rank's rows (C·k·D/W floats)."""
         return self.rows.numel() * self.rows.element_size()

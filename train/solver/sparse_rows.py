@@ -70,6 +70,13 @@ class SparseRowSGD:
         self.head.rows[rows] = weights - lr * buffer
         self.moved_at[rows] = self.steps
 
+    def reshard(self, saved: dict[str, Any]) -> None:
+        """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head)."""
+        self.head.reshard()
+        self.buffer = torch.zeros_like(self.head.rows)
+        self.moved_at = torch.zeros(self.head.rows.shape[0], dtype=torch.int64)
+        self.load_state_dict(saved)
+
     def settle_rows(self, rows: torch.Tensor) -> None:
         """Apply the pending weight decay of ``rows`` before a step reads them (the gradient of a normalised
         row depends on its length, so the forward must see the decayed row)."""
@@ -122,6 +129,17 @@ class HeadedLoss:
         if self.pair_weight == 0:
             return self.weight * head_loss
         return self.pair_weight * self.pair(embeddings, labels) + self.weight * head_loss
+
+    def reshard(self, saved: dict[str, Any], *, grad_divisor: float) -> None:
+        """For a new world (a Horovod elastic reset): this rank's new range of rows, loaded from ``saved``
+        (:meth:`state_dict`, which holds the whole head), and the new world's gradient divisor."""
+        self.row_optimizer.grad_divisor = grad_divisor
+        if self.neck is not None:
+            self.neck.grad_divisor = grad_divisor
+        self.row_optimizer.reshard(saved["head"])
+        self.pair.load_state_dict(saved["pair"])
+        if self.neck is not None:
+            self.neck.load_state_dict(saved["neck"])
 
     def parameters(self) -> list[torch.nn.Parameter]:
         neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
