@@ -200,7 +200,7 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     if config.train.backward_passes_per_step != 1:
         raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
                           f"for batches larger than memory), got {config.train.backward_passes_per_step}")
-    if backend.size > 1 and not config.train.gather_embeddings:
+    if (backend.size > 1 or _horovod_elastic(backend)) and not config.train.gather_embeddings:
         raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
                           "global batch)")
     num_classes = int(np.asarray(data.dataset.labels).max()) + 1
@@ -410,11 +410,12 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     if not elastic:
         return Run(trainer, workspace, log, lock)
     lock = lock if lock is not None else WorkspaceLock(workspace)  # taken if this process becomes rank 0
-    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data, checkpoints, lock))
+    loss_state = saved["loss"] if saved is not None else None  # rank 0's resumed head, for the first sync
+    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data, checkpoints, lock, loss_state))
 
 
 def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts, checkpoints: CheckpointHook,
-                   lock: WorkspaceLock) -> Callable[[], TrainState]:
+                   lock: WorkspaceLock, loss_state: dict[str, Any] | None) -> Callable[[], TrainState]:
     """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world,
     ``last.pt`` written only at a commit, the workspace taken by a new rank 0."""
     backend = trainer.parts.backend
@@ -424,7 +425,7 @@ def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts, checkpo
                                                          shard_ids=shard_ids_of(data.train)),
         gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
         checkpoints=checkpoints, before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend),
-        workspace_lock=lock)
+        workspace_lock=lock, loss_state=loss_state)
 
 
 def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,

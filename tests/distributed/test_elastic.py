@@ -340,3 +340,21 @@ def test_the_sharded_head_is_resharded_at_a_reset_and_trains_on_as_one_process(t
     assert len(losses) == 12 and max(abs(a - b) for a, b in zip(losses, reference)) < SUM_ORDER_TOLERANCE, \
         (losses, reference)
     _check_same_model(run.workspace, tmp_path / "alone")
+
+
+def test_a_resumed_elastic_run_with_a_head_gives_every_rank_the_checkpoints_rows(tmp_path):
+    # Only rank 0 reads last.pt under Horovod elastic, and each rank loads only its own range of rows: the
+    # other ranks kept their initial rows until the first sync gave them the checkpoint's whole head.
+    hosts = tmp_path / "hosts.txt"
+    hosts.write_text(ONE_HOST)
+    workspace, script = tmp_path / "ws", discovery_script(tmp_path, hosts)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"}
+    for settings in ((*HEAD_SETTINGS, "train.max_steps=6"), HEAD_SETTINGS):
+        job = subprocess.run(elastic_command(script, workspace, settings, np=2, min_np=2, max_np=2), cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
+    assert "resum" in job.stdout.lower(), job.stdout[-3000:]
+    losses, reference = _step_losses(workspace), _step_losses(_train_alone(tmp_path, HEAD_SETTINGS))
+    assert len(losses) == 12 and max(abs(a - b) for a, b in zip(losses, reference)) < SUM_ORDER_TOLERANCE, \
+        (losses, reference)
+    _check_same_model(workspace, tmp_path / "alone")

@@ -104,6 +104,8 @@ def test_a_flow_mapping_without_the_space_after_its_colons_is_named():
                          environ={})
     assert spaced.loss.args == {"num_classes": 160, "embedding_size": 64}
     assert load_config(None, ["data.root=s3://bucket/prefix"], environ={}).data.root == "s3://bucket/prefix"
+    quoted = load_config(None, ['data.args={"s3://bucket/x": null}'], environ={})  # a quoted key, null on purpose
+    assert quoted.data.args == {"s3://bucket/x": None}
 
 
 def test_environment_overrides_file_and_set_overrides_environment(tmp_path):

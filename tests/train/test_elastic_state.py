@@ -110,6 +110,34 @@ def test_metrics_are_written_once_at_commits_by_the_current_rank_zero(tmp_path):
     assert [(r["type"], r["global_step"]) for r in lines] == [("step", 1), ("step", 2), ("eval", 2)]
 
 
+def test_a_new_rank_0_completes_a_log_its_predecessor_died_writing(tmp_path):
+    """The old rank 0 died inside commit 2: step 4's line cut short, and nothing of commit 2 written after it.
+
+    Every rank keeps its last commit's lines; the new rank 0 drops the broken line and appends what is missing.
+    """
+    path = tmp_path / "metrics.jsonl"
+    survivor = CommittedMetricsHook(path, lambda: False)
+
+    class Loop:
+        storage = EventStorage()
+
+    survivor.trainer = Loop()
+    survivor.before_train()
+    for commit in ((1, 2), (3, 4)):
+        for step in commit:
+            Loop.storage.put_step(global_step=step, loss=0.5)
+            survivor.after_step()
+        survivor.flush()  # not rank 0: writes nothing, keeps the lines
+    step = lambda n, img_s: json.dumps({"type": "step", "global_step": n, "loss": 0.5, "img_s": img_s})  # noqa: E731
+    path.write_text(f"{step(1, 10.0)}\n{step(2, 11.0)}\n{step(3, 9.0)}\n" + step(4, 9.5)[:17])
+    survivor.repair()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["global_step"] for r in lines] == [1, 2, 3, 4]
+    assert lines[2]["img_s"] == 9.0  # written lines are kept, not replaced by the survivor's copy
+    survivor.repair()  # nothing more to do
+    assert len(path.read_text().splitlines()) == 4
+
+
 def test_elastic_mode_is_read_from_horovodrun_environment(monkeypatch):
     monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
     assert not elastic_launch()

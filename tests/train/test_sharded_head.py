@@ -207,6 +207,33 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     assert np.allclose(first[0][0] + then[0], straight, rtol=1e-6, atol=0), (first[0][0] + then[0], straight)
 
 
+def test_a_reset_before_the_first_step_rebuilds_the_initial_rows_of_the_new_range():
+    spec = HeadSpec(name="cosface", negatives=15)
+    fresh = {rank: ShardedMarginHead(C, D, spec, Member(ThreadGroup(2), rank), seed=1).rows for rank in range(2)}
+    for old_rank in (0, 2):
+        head = ShardedMarginHead(C, D, spec, Member(ThreadGroup(3), old_rank), seed=1)
+        rows = SparseRowSGD(head, momentum=0.9)
+        head.collectives = Member(ThreadGroup(2), old_rank // 2)
+        rows.reshard(None)
+        assert torch.equal(head.rows, fresh[old_rank // 2]) and rows.buffer.shape == head.rows.shape
+    rows.step(lr=0.1)  # a step taken (nothing sampled): the initial rows are no longer the state
+    with pytest.raises(RuntimeError, match="took 1 steps but has no committed copy"):
+        rows.reshard(None)
+
+
+def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_process(monkeypatch):
+    """A job started at -np 1 grows later: its rows must then see the global batch."""
+    from types import SimpleNamespace
+
+    from pksampler.train.run_setup import _with_head
+
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    config = load_config(None, ["head.name=arcface", "train.gather_embeddings=false"], environ={})
+    backend = SimpleNamespace(name="horovod", size=1, rank=0)
+    with pytest.raises(ConfigError, match="a sharded head needs train.gather_embeddings: true"):
+        _with_head(config, backend, data=None, pair=None)
+
+
 def test_the_checkpoint_loads_with_weights_only(tmp_path):
     _, saved = train_trace(2, range(2))
     torch.save(saved, tmp_path / "head.pt")

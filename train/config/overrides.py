@@ -70,11 +70,15 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+#: ``name:value`` read as one key: a config-like name, a colon, then no space (a URL's ``s3://`` is not one)
+_GLUED = re.compile(r"^[A-Za-z_][\w.]*:[^\s/]")
+
+
 def _glued_key(value: Any) -> str | None:
     """A mapping key like ``'num_classes:160'`` with no value: ``{a:1}`` written without YAML's space."""
     if isinstance(value, dict):
         for key, item in value.items():
-            if item is None and isinstance(key, str) and ":" in key and not key.endswith(":"):
+            if item is None and isinstance(key, str) and _GLUED.match(key):
                 return key
             found = _glued_key(item)
             if found is not None:

@@ -240,9 +240,11 @@ class HeadHandler:
 
     name = "pksampler.elastic.head"
 
-    def __init__(self, value: Any, *, grad_divisor: Callable[[], float]) -> None:
+    def __init__(self, value: Any, *, grad_divisor: Callable[[], float], resumed: dict[str, Any] | None = None) -> None:
         self.value, self.grad_divisor = value, grad_divisor
-        self._saved: dict[str, Any] | None = None  # the first save is the body's, in the formed world
+        # rank 0 of a resumed run: the checkpoint's whole head, which the first sync gives every rank (each
+        # loaded only its own range, and only rank 0 read the file); otherwise the body's first save sets it
+        self._saved: dict[str, Any] | None = resumed
 
     def save(self) -> None:
         self._saved = copy.deepcopy(self.value.state_dict())
@@ -255,8 +257,10 @@ class HeadHandler:
         self.reshard()
 
     def reshard(self) -> None:
-        if self._saved is not None:
-            self.value.reshard(copy.deepcopy(self._saved), grad_divisor=self.grad_divisor())
+        """This rank's range for the current world from the committed copy (none yet: no step was taken, so
+        the head is still its initial state, which is rebuilt)."""
+        saved = copy.deepcopy(self._saved) if self._saved is not None else None
+        self.value.reshard(saved, grad_divisor=self.grad_divisor())
 
     def set_value(self, value: Any) -> None:
         self.value = value
@@ -320,6 +324,7 @@ class CommittedMetricsHook(HookBase):
     def __init__(self, path: Path, is_main: Callable[[], bool]) -> None:
         self.path, self.is_main = path, is_main
         self.pending: list[str] = []
+        self.flushed: list[str] = []  # the last commit's lines, on every rank: a new rank 0 may need them
         self._cursor = 0
 
     def before_train(self) -> None:
@@ -338,11 +343,42 @@ class CommittedMetricsHook(HookBase):
         if lines and self.is_main():
             with open(self.path, "a", encoding="utf-8") as handle:
                 handle.write("".join(f"{line}\n" for line in lines))
-        self.pending.clear()
+        if lines:
+            self.flushed = lines
+        self.pending = []
+
+    def repair(self) -> None:
+        """For a process that has just become rank 0: the log as the last commit left it.
+
+        The old rank 0 may have died inside that commit: before it wrote the
+        commit's lines (every rank keeps them, :attr:`flushed`), or in the
+        middle of one (a line cut short, dropped here).
+        """
+        if not self.path.is_file():
+            return
+        with open(self.path, "rb+") as handle:
+            data = handle.read()
+            if data and not data.endswith(b"\n"):
+                handle.truncate(data.rfind(b"\n") + 1)
+                data = data[: data.rfind(b"\n") + 1]
+        written = {_line_key(line) for line in data.decode("utf-8").splitlines()[-4 * max(len(self.flushed), 1):]}
+        missing = [line for line in self.flushed if _line_key(line) not in written]
+        if missing:
+            with open(self.path, "a", encoding="utf-8") as handle:
+                handle.write("".join(f"{line}\n" for line in missing))
 
     def drop(self) -> None:
         """Called at a reset: the buffered steps are rolled back."""
-        self.pending.clear()
+        self.pending = []
+
+
+def _line_key(line: str) -> tuple[Any, ...]:
+    """What tells two metrics.jsonl lines apart across ranks (their timings differ): type, step, epoch."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return (line,)
+    return record.get("type"), record.get("global_step"), record.get("epoch")
 
 
 def register_commits(trainer: Trainer, state: Any, metrics: CommittedMetricsHook,
@@ -452,10 +488,13 @@ def _refresh_world(trainer: Trainer, gather_wanted: bool) -> None:
 TAKE_OVER_WAIT_SECONDS = 60.0
 
 
-def _take_over_the_workspace(trainer: Trainer, lock: WorkspaceLock, metrics_path: Path) -> None:
+def _take_over_the_workspace(trainer: Trainer, lock: WorkspaceLock, metrics: CommittedMetricsHook) -> None:
     """After a reset: a process that became rank 0 (the old one's host left) takes the workspace.
 
-    It takes the lock, and its event storage becomes the committed history
+    It takes the lock, completes the log if the old rank 0 died inside the
+    last commit (:meth:`CommittedMetricsHook.repair`; an evaluation the old
+    rank 0 logged after the previous commit is the one thing it cannot
+    restore, as only rank 0 holds it), and its event storage becomes the committed history
     in ``metrics.jsonl`` with its best and latest evaluation (put by the old
     rank 0 only; the state sync that follows gives them to every rank), so
     the curves, ``final_metrics.json``, ``best.pt`` and later records are
@@ -464,15 +503,17 @@ def _take_over_the_workspace(trainer: Trainer, lock: WorkspaceLock, metrics_path
     if trainer.parts.backend.rank != 0 or lock.held:
         return
     lock.acquire(wait_seconds=TAKE_OVER_WAIT_SECONDS)
-    replay_history(trainer, metrics_path)
+    metrics.repair()
+    replay_history(trainer, metrics.path)
     print(f"[pksampler] Horovod elastic: rank 0's host left; this process (pid {os.getpid()}) is rank 0 now and "
-          f"writes the workspace {metrics_path.parent}", flush=True)
+          f"writes the workspace {metrics.path.parent}", flush=True)
 
 
 def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callable[[int, int], Any],
                 gather_wanted: bool, metrics_path: Path, checkpoints: CheckpointHook | None = None,
                 before_start: Callable[[], None] = lambda: None,
-                workspace_lock: WorkspaceLock | None = None) -> TrainState:
+                workspace_lock: WorkspaceLock | None = None,
+                loss_state: dict[str, Any] | None = None) -> TrainState:
     """Train under ``hvd.elastic.run``; returns the final state.
 
     ``rebuild_sampler(world_size, rank)`` builds this rank's sampler for a
@@ -481,7 +522,9 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     every rank of each new world before its first step (collective checks
     belong there, never before ``hvd.elastic.run``: a joiner would meet the
     survivors' sync). ``workspace_lock`` (held by rank 0) is taken by the
-    process that becomes rank 0 when the old one's host leaves.
+    process that becomes rank 0 when the old one's host leaves. ``loss_state``:
+    on rank 0 of a resumed run, the checkpoint's loss state (a sharded head's
+    rows reach the other ranks through the first sync).
     """
     import horovod.torch as hvd
     from horovod.common.elastic import run_fn
@@ -507,7 +550,8 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     heads: list[HeadHandler] = []
 
     def head_handler(loss: Any) -> HeadHandler:
-        heads.append(_as_state_handler(HeadHandler)(loss, grad_divisor=lambda: backend.gathered_loss_scale))
+        heads.append(_as_state_handler(HeadHandler)(loss, grad_divisor=lambda: backend.gathered_loss_scale,
+                                                    resumed=loss_state))
         return heads[-1]
 
     sharded = [(type(parts.loss_fn), head_handler)] if hasattr(parts.loss_fn, "reshard") else []
@@ -518,7 +562,7 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     callbacks = [functools.partial(_refresh_world, trainer, gather_wanted), metrics.drop, made[0].reshard,
                  *(head.reshard for head in heads)]
     if workspace_lock is not None:
-        callbacks.append(functools.partial(_take_over_the_workspace, trainer, workspace_lock, metrics_path))
+        callbacks.append(functools.partial(_take_over_the_workspace, trainer, workspace_lock, metrics))
     state.register_reset_callbacks(callbacks)
     register_commits(trainer, state, metrics, checkpoints, every=commit_every)
     _keep_hooks_open_across_resets(trainer)

@@ -134,13 +134,13 @@ class ShardedMarginHead(torch.nn.Module):
             raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
         self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
-        self.register_buffer("rows", self._initial_rows(), persistent=False)
+        self.register_buffer("rows", self.initial_rows(), persistent=False)
         self.step = 0  # global steps taken: keys the negative draw
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids, sampled rows with .grad)
         # called with the sampled row ids before they are read (the optimizer applies their pending weight decay)
         self.before_read: Callable[[torch.Tensor], None] | None = None
 
-    def _initial_rows(self) -> torch.Tensor:
+    def initial_rows(self) -> torch.Tensor:
         """Rows keyed by class id, so the head starts the same at every world size.
 
         Classes come in fixed blocks of ``_INIT_BLOCK`` ids, each drawn from a

@@ -36,7 +36,8 @@ class SparseRowSGD:
         self.lr_scale = lr_scale  # the rows learn at the head group's lr times this
         self.grad_divisor = grad_divisor  # the loss scale the backward carried (Horovod: the world size)
         self.buffer = torch.zeros_like(head.rows)
-        self.moved_at = torch.zeros(head.rows.shape[0], dtype=torch.int64)  # steps whose decay a row has
+        # steps whose decay a row has; on the host with the decay log (indexed with host copies of row ids)
+        self.moved_at = torch.zeros(head.rows.shape[0], dtype=torch.int64)
         self._log = torch.zeros(1024, dtype=torch.float64)  # [t]: log-product of (1 - lr_i * wd), i = 1..t
         self.steps = 0
         head.before_read = self.settle_rows
@@ -52,8 +53,11 @@ class SparseRowSGD:
         self._log[self.steps + 1] = self._log[self.steps] + factor
         self.steps += 1
 
-    def _decay_since(self, steps: torch.Tensor) -> torch.Tensor:
-        return torch.exp(self._log[self.steps] - self._log[steps]).to(self.head.rows.dtype)
+    def _decay_since(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The decay factor each of ``rows`` (all rows: None) missed, on the rows' device."""
+        steps = self.moved_at if rows is None else self.moved_at[rows.cpu()]
+        factor = torch.exp(self._log[self.steps] - self._log[steps])
+        return factor.to(device=self.head.rows.device, dtype=self.head.rows.dtype)
 
     def step(self, lr: float) -> None:
         """Apply the pending gradient of the sampled rows at learning rate ``lr`` (times ``lr_scale``)."""
@@ -64,28 +68,34 @@ class SparseRowSGD:
         if pending is None or pending[1].grad is None:
             return
         rows, grad = pending[0], pending[1].grad / self.grad_divisor
-        weights = self.head.rows[rows] * self._decay_since(self.moved_at[rows])[:, None, None]
+        weights = self.head.rows[rows] * self._decay_since(rows)[:, None, None]
         buffer = self.buffer[rows] * self.momentum + grad
         self.buffer[rows] = buffer
         self.head.rows[rows] = weights - lr * buffer
-        self.moved_at[rows] = self.steps
+        self.moved_at[rows.cpu()] = self.steps
 
-    def reshard(self, saved: dict[str, Any]) -> None:
-        """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head)."""
+    def reshard(self, saved: dict[str, Any] | None) -> None:
+        """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head);
+        ``None``: no step was taken, the head's initial rows for the new range."""
         self.head.reshard()
         self.buffer = torch.zeros_like(self.head.rows)
         self.moved_at = torch.zeros(self.head.rows.shape[0], dtype=torch.int64)
-        self.load_state_dict(saved)
+        if saved is not None:
+            self.load_state_dict(saved)
+        elif self.steps == 0:
+            self.head.rows.copy_(self.head.initial_rows())
+        else:
+            raise RuntimeError(f"the sharded head took {self.steps} steps but has no committed copy to re-shard from")
 
     def settle_rows(self, rows: torch.Tensor) -> None:
         """Apply the pending weight decay of ``rows`` before a step reads them (the gradient of a normalised
         row depends on its length, so the forward must see the decayed row)."""
-        self.head.rows[rows] *= self._decay_since(self.moved_at[rows])[:, None, None]
-        self.moved_at[rows] = self.steps
+        self.head.rows[rows] *= self._decay_since(rows)[:, None, None]
+        self.moved_at[rows.cpu()] = self.steps
 
     def settle(self) -> None:
         """Apply every row's pending weight decay (then the rows are the eager optimizer's)."""
-        self.head.rows.mul_(self._decay_since(self.moved_at)[:, None, None])
+        self.head.rows.mul_(self._decay_since()[:, None, None])
         self.moved_at.fill_(self.steps)
 
     def state_dict(self) -> dict[str, Any]:
@@ -130,13 +140,16 @@ class HeadedLoss:
             return self.weight * head_loss
         return self.pair_weight * self.pair(embeddings, labels) + self.weight * head_loss
 
-    def reshard(self, saved: dict[str, Any], *, grad_divisor: float) -> None:
+    def reshard(self, saved: dict[str, Any] | None, *, grad_divisor: float) -> None:
         """For a new world (a Horovod elastic reset): this rank's new range of rows, loaded from ``saved``
-        (:meth:`state_dict`, which holds the whole head), and the new world's gradient divisor."""
+        (:meth:`state_dict`, which holds the whole head; ``None`` before the first step: the initial rows),
+        and the new world's gradient divisor."""
         self.row_optimizer.grad_divisor = grad_divisor
         if self.neck is not None:
             self.neck.grad_divisor = grad_divisor
-        self.row_optimizer.reshard(saved["head"])
+        self.row_optimizer.reshard(saved["head"] if saved is not None else None)
+        if saved is None:
+            return
         self.pair.load_state_dict(saved["pair"])
         if self.neck is not None:
             self.neck.load_state_dict(saved["neck"])
