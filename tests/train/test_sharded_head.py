@@ -138,23 +138,29 @@ def test_loss_and_embedding_gradient_are_the_same_at_one_two_and_three_ranks():
             assert float((rank_grad - grad).norm() / grad.norm()) <= 1e-6  # fp32 sums in another order
 
 
+TRACE_SPEC = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=15)
+
+
+def head_steps(head: ShardedMarginHead, rows: SparseRowSGD, steps: range) -> list[float]:
+    """Head-only SGD steps on the inputs of those step numbers; their losses."""
+    losses = []
+    for step in steps:
+        embeddings, labels = inputs(100 + step)
+        loss = head(embeddings.clone().requires_grad_(True), labels)
+        loss.backward()
+        rows.step(lr=0.5)
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def train_trace(world: int, steps: range, state: dict | None = None, *, weight_decay: float = 0.01):
     """Losses of a few head-only steps at ``world`` ranks (optionally from a saved state); the state after."""
-    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=15)
-
     def work(group):
-        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=weight_decay)
         if state is not None:
             rows.load_state_dict(state)
-        losses = []
-        for step in steps:
-            embeddings, labels = inputs(100 + step)
-            loss = head(embeddings.clone().requires_grad_(True), labels)
-            loss.backward()
-            rows.step(lr=0.5)
-            losses.append(float(loss.detach()))
-        return losses, rows.state_dict()
+        return head_steps(head, rows, steps), rows.state_dict()
 
     results = run_ranks(world, work)
     return results[0][0], results[0][1]
@@ -175,22 +181,11 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     """Horovod elastic, 3 ranks -> 2: the survivors' own head objects take their new ranges from the committed
     whole head (every rank's copy) and train on as one process would."""
     straight, _ = train_trace(1, range(6))
-    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=15)
-
-    def steps(head, rows, numbers) -> list[float]:
-        losses = []
-        for step in numbers:
-            embeddings, labels = inputs(100 + step)
-            loss = head(embeddings.clone().requires_grad_(True), labels)
-            loss.backward()
-            rows.step(lr=0.5)
-            losses.append(float(loss.detach()))
-        return losses
 
     def before(group):
-        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
-        return steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict())
+        return head_steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict())
 
     first = run_ranks(3, before)
     survivors = [first[0], first[2]]  # rank 1's host left; each survivor keeps its own commit
@@ -200,7 +195,7 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
         head.collectives = group  # the backend's rank and size change in place at a reset
         rows.reshard(saved)
         assert (head.lo, head.hi) == shard_range(C, 2, group.rank) and rows.buffer.shape == head.rows.shape
-        return steps(head, rows, range(3, 6))
+        return head_steps(head, rows, range(3, 6))
 
     then = run_ranks(2, after)
     assert then[0] == then[1]
