@@ -326,35 +326,35 @@ def test_when_rank_0s_host_leaves_the_new_rank_0_takes_over_the_workspace(tmp_pa
 HEAD_SETTINGS = (*JOIN_SETTINGS, "head.name=cosface", "head.scale=16", "head.margin=0.2")
 
 
-@pytest.mark.parametrize("hosts, then, np", [(ONE_HOST, TWO_HOSTS, 2), (TWO_HOSTS, ONE_HOST, 4)],
-                         ids=["hosts-added", "host-removed"])
-def test_the_sharded_head_is_resharded_at_a_reset_and_trains_on_as_one_process(tmp_path, hosts, then, np):
-    # Issue 29: the trainer refused a head under Horovod elastic (the rows would need re-sharding at a reset).
-    # Every rank now holds the committed whole head: the survivors take their new ranges from it (a host that
-    # left takes no rows with it), joiners receive rank 0's copy.
-    run = run_elastic(tmp_path, hosts=hosts, then=then, np=np, min_np=2, max_np=4, after_step=3,
-                      settings=HEAD_SETTINGS)
-    trained = check_exactly_the_plan(run, 12, HEAD_SETTINGS)
-    assert {trained[1]["size"], trained[12]["size"]} == {2, 4}, {s: t["size"] for s, t in trained.items()}
-    losses, reference = _step_losses(run.workspace), _step_losses(_train_alone(tmp_path, HEAD_SETTINGS))
-    assert len(losses) == 12 and max(abs(a - b) for a, b in zip(losses, reference)) < SUM_ORDER_TOLERANCE, \
-        (losses, reference)
-    _check_same_model(run.workspace, tmp_path / "alone")
-
-
-def test_a_resumed_elastic_run_with_a_head_gives_every_rank_the_checkpoints_rows(tmp_path):
-    # Only rank 0 reads last.pt under Horovod elastic, and each rank loads only its own range of rows: the
-    # other ranks kept their initial rows until the first sync gave them the checkpoint's whole head.
-    hosts = tmp_path / "hosts.txt"
-    hosts.write_text(ONE_HOST)
-    workspace, script = tmp_path / "ws", discovery_script(tmp_path, hosts)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"}
-    for settings in ((*HEAD_SETTINGS, "train.max_steps=6"), HEAD_SETTINGS):
-        job = subprocess.run(elastic_command(script, workspace, settings, np=2, min_np=2, max_np=2), cwd=ROOT,
-                             env=env, capture_output=True, text=True, timeout=300)
-        assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-2000:]
-    assert "resum" in job.stdout.lower(), job.stdout[-3000:]
+def _check_head_run_against_one_process(tmp_path: Path, workspace: Path) -> None:
+    """The elastic run's 12 losses, model, rows and momentum equal one process's up to the order of the sums."""
     losses, reference = _step_losses(workspace), _step_losses(_train_alone(tmp_path, HEAD_SETTINGS))
     assert len(losses) == 12 and max(abs(a - b) for a, b in zip(losses, reference)) < SUM_ORDER_TOLERANCE, \
         (losses, reference)
     _check_same_model(workspace, tmp_path / "alone")
+
+
+def test_the_sharded_head_reaches_hosts_that_join(tmp_path):
+    # Issue 29: the trainer refused a head under Horovod elastic (the rows would need re-sharding at a reset).
+    # Joiners receive rank 0's committed whole head in the sync and take their ranges of it.
+    run = run_elastic(tmp_path, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3,
+                      settings=HEAD_SETTINGS)
+    trained = check_exactly_the_plan(run, 12, HEAD_SETTINGS)
+    assert (trained[1]["size"], trained[12]["size"]) == (2, 4), {s: t["size"] for s, t in trained.items()}
+    _check_head_run_against_one_process(tmp_path, run.workspace)
+
+
+def test_the_sharded_head_survives_a_host_leaving_and_a_resume_on_every_rank(tmp_path):
+    """4 ranks -> 2 after step 2 (the survivors re-shard from their committed copy: Horovod skips the sync),
+    stop at step 8; then a new job resumes from last.pt, which only rank 0 reads: the first sync gives every rank
+    the checkpoint's whole head (before, the other ranks kept their initial rows and the job failed)."""
+    run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=2, max_np=4, after_step=2,
+                      settings=(*HEAD_SETTINGS, "train.max_steps=8"))
+    trained = check_exactly_the_plan(run, 8, HEAD_SETTINGS)
+    assert (trained[1]["size"], trained[8]["size"]) == (4, 2), {s: t["size"] for s, t in trained.items()}
+    command = elastic_command(tmp_path / "discover.sh", run.workspace, HEAD_SETTINGS, np=2, min_np=2, max_np=2)
+    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"})
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    assert "resumed at epoch 0 step 8" in resumed.stdout, resumed.stdout[-3000:]
+    _check_head_run_against_one_process(tmp_path, run.workspace)
