@@ -77,18 +77,15 @@ _GLUED = re.compile(r"^[A-Za-z_][\w.]*:[^\s/]")
 def _glued_key(value: Any) -> str | None:
     """A mapping key like ``'num_classes:160'`` with no value: ``{a:1}`` written without YAML's space."""
     if isinstance(value, dict):
-        for key, item in value.items():
-            if item is None and isinstance(key, str) and _GLUED.match(key):
-                return key
-            found = _glued_key(item)
-            if found is not None:
-                return found
+        glued = [key for key, item in value.items() if item is None and isinstance(key, str) and _GLUED.match(key)]
+        if glued:
+            return glued[0]
+        children = list(value.values())
     elif isinstance(value, list):
-        for item in value:
-            found = _glued_key(item)
-            if found is not None:
-                return found
-    return None
+        children = value
+    else:
+        return None
+    return next((found for found in map(_glued_key, children) if found is not None), None)
 
 
 def epochs_replace_steps(tree: dict, environ: Mapping[str, str], overrides: Sequence[tuple[str, Any]]) -> None:

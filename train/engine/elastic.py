@@ -258,9 +258,8 @@ class HeadHandler:
 
     def reshard(self) -> None:
         """This rank's range for the current world from the committed copy (none yet: no step was taken, so
-        the head is still its initial state, which is rebuilt)."""
-        saved = copy.deepcopy(self._saved) if self._saved is not None else None
-        self.value.reshard(saved, grad_divisor=self.grad_divisor())
+        the head is still its initial state, which is rebuilt). Loading copies out of the committed copy."""
+        self.value.reshard(self._saved, grad_divisor=self.grad_divisor())
 
     def set_value(self, value: Any) -> None:
         self.value = value
@@ -345,7 +344,7 @@ class CommittedMetricsHook(HookBase):
                 handle.write("".join(f"{line}\n" for line in lines))
         if lines:
             self.flushed = lines
-        self.pending = []
+        self.pending.clear()
 
     def repair(self) -> None:
         """For a process that has just become rank 0: the log as the last commit left it.
@@ -369,7 +368,7 @@ class CommittedMetricsHook(HookBase):
 
     def drop(self) -> None:
         """Called at a reset: the buffered steps are rolled back."""
-        self.pending = []
+        self.pending.clear()
 
 
 def _line_key(line: str) -> tuple[Any, ...]:

@@ -53,9 +53,9 @@ class SparseRowSGD:
         self._log[self.steps + 1] = self._log[self.steps] + factor
         self.steps += 1
 
-    def _decay_since(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The decay factor each of ``rows`` (all rows: None) missed, on the rows' device."""
-        steps = self.moved_at if rows is None else self.moved_at[rows.cpu()]
+    def _decay_since(self, host_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The decay factor each of ``host_rows`` (row ids on the host; all rows: None) missed, on the rows' device."""
+        steps = self.moved_at if host_rows is None else self.moved_at[host_rows]
         factor = torch.exp(self._log[self.steps] - self._log[steps])
         return factor.to(device=self.head.rows.device, dtype=self.head.rows.dtype)
 
@@ -68,11 +68,12 @@ class SparseRowSGD:
         if pending is None or pending[1].grad is None:
             return
         rows, grad = pending[0], pending[1].grad / self.grad_divisor
-        weights = self.head.rows[rows] * self._decay_since(rows)[:, None, None]
+        host = rows.cpu()
+        weights = self.head.rows[rows] * self._decay_since(host)[:, None, None]
         buffer = self.buffer[rows] * self.momentum + grad
         self.buffer[rows] = buffer
         self.head.rows[rows] = weights - lr * buffer
-        self.moved_at[rows.cpu()] = self.steps
+        self.moved_at[host] = self.steps
 
     def reshard(self, saved: dict[str, Any] | None) -> None:
         """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head);
@@ -90,8 +91,9 @@ class SparseRowSGD:
     def settle_rows(self, rows: torch.Tensor) -> None:
         """Apply the pending weight decay of ``rows`` before a step reads them (the gradient of a normalised
         row depends on its length, so the forward must see the decayed row)."""
-        self.head.rows[rows] *= self._decay_since(rows)[:, None, None]
-        self.moved_at[rows.cpu()] = self.steps
+        host = rows.cpu()
+        self.head.rows[rows] *= self._decay_since(host)[:, None, None]
+        self.moved_at[host] = self.steps
 
     def settle(self) -> None:
         """Apply every row's pending weight decay (then the rows are the eager optimizer's)."""
@@ -148,11 +150,8 @@ class HeadedLoss:
         if self.neck is not None:
             self.neck.grad_divisor = grad_divisor
         self.row_optimizer.reshard(saved["head"] if saved is not None else None)
-        if saved is None:
-            return
-        self.pair.load_state_dict(saved["pair"])
-        if self.neck is not None:
-            self.neck.load_state_dict(saved["neck"])
+        if saved is not None:
+            self._load_pair_and_neck(saved)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
@@ -176,8 +175,12 @@ class HeadedLoss:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         if "head" not in saved:
             raise ValueError("the checkpoint has no head (head.name was null when it was written)")
-        self.pair.load_state_dict(saved["pair"])
         self.row_optimizer.load_state_dict(saved["head"])
+        self._load_pair_and_neck(saved)
+
+    def _load_pair_and_neck(self, saved: dict[str, Any]) -> None:
+        """The dense parts of :meth:`state_dict`: the pair loss's state and the BNNeck's (which must match)."""
+        self.pair.load_state_dict(saved["pair"])
         if (self.neck is not None) != ("neck" in saved):
             raise ValueError(f"the checkpoint's head {'has' if 'neck' in saved else 'has no'} BNNeck, this run's "
                              f"head.bnneck is {self.neck is not None}: they must match")
