@@ -11,7 +11,9 @@ Runtimes, in the order they are looked for:
 2. torch.distributed, if a process group is initialised;
 3. neither: one process (collectives are the identity), except that
    :func:`world_info` still reads a launcher's environment so a sampler built
-   before the runtime starts gets the right rank.
+   before the runtime starts gets the right rank (``RANK``/``WORLD_SIZE`` of
+   torchrun and ``accelerate launch``, Horovod's and MPI's variables, and
+   Lightning's ``WORLD_SIZE``/``NODE_RANK``/``LOCAL_RANK``).
 
 This module never imports Horovod itself; it only uses one the program
 started, so importing it (and the samplers) costs nothing.
@@ -89,7 +91,34 @@ def launcher_world(environ: dict[str, str] | None = None) -> tuple[int, int, int
                 f"environment variables {rank_key}={rank!r}, {size_key}={size!r} and {local_key}={local!r} "
                 "must be integers"
             ) from None
-    return None
+    return _lightning_world(environ)
+
+
+def _lightning_world(environ: Any) -> tuple[int, int, int] | None:
+    """``(rank, size, local_rank)`` from what Lightning's launcher gives its processes, or None.
+
+    Lightning's ddp children carry ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``NODE_RANK`` but no ``RANK`` until its process group starts. On node 0
+    the rank is the local rank; on another node it needs ``LOCAL_WORLD_SIZE``
+    (processes per node), else the rank cannot be known and this raises,
+    naming the fix, rather than guess.
+    """
+    size, local, node = environ.get("WORLD_SIZE"), environ.get("LOCAL_RANK"), environ.get("NODE_RANK", "0")
+    if size is None or local is None:
+        return None
+    try:
+        size_, local_, node_ = int(size), int(local), int(node)
+        per_node = int(environ.get("LOCAL_WORLD_SIZE", 0))
+    except ValueError:
+        raise ValueError(f"environment variables WORLD_SIZE={size!r}, LOCAL_RANK={local!r} and NODE_RANK={node!r} "
+                         "must be integers") from None
+    if node_ and not per_node:
+        raise ValueError(
+            f"the environment has WORLD_SIZE={size_}, NODE_RANK={node_} and LOCAL_RANK={local_} but no RANK or "
+            "LOCAL_WORLD_SIZE, so this process's rank cannot be known before the process group starts: build the "
+            "sampler after it starts (e.g. in LightningDataModule.setup()) or pass num_replicas= and rank="
+        )
+    return node_ * per_node + local_, size_, local_
 
 
 def launcher(environ: dict[str, str] | None = None) -> str | None:

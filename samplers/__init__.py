@@ -12,7 +12,8 @@ from .balanced import DistributedBalancedBatchSampler, DistributedBalancedSample
 from .pk_plan import PlanOptions, balanced_plan, epoch_layout, rank_batches
 from .triplet import DistributedTripletBatchSampler, DistributedTripletSampler
 from .triplet_plan import TripletOptions, triplet_batches
-from .consistency import SamplerMismatchError, check_consistent, sampler_fingerprint
+from ._guard import SamplerSetupError
+from .consistency import SamplerMismatchError, check_consistent, consistency_row, sampler_fingerprint
 
 __all__ = [
     "ClassIndex",
@@ -22,9 +23,11 @@ __all__ = [
     "DistributedTripletSampler",
     "PlanOptions",
     "SamplerMismatchError",
+    "SamplerSetupError",
     "TripletOptions",
     "balanced_plan",
     "check_consistent",
+    "consistency_row",
     "epoch_layout",
     "group_labels",
     "rank_batches",

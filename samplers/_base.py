@@ -1,8 +1,12 @@
 """The protocol every pksampler sampler follows.
 
 ``__init__`` validates; ``__iter__`` is deterministic for (seed, epoch, rank);
-``__len__`` is exact; ``set_epoch``, ``state_dict`` and ``load_state_dict``
-make a run resumable at the next global step. Subclasses supply the plan.
+``__len__`` is exact and counts the whole epoch (as torch's
+``DistributedSampler`` and torchdata's samplers do: frameworks such as
+Lightning take it as the epoch's length and count a resumed position
+themselves); ``set_epoch``, ``state_dict`` and ``load_state_dict`` make a run
+resumable at the next global step, and a resumed iterator starts there.
+Subclasses supply the plan.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ._guard import check_not_resharded, check_world_still_holds
 from ._validate import SEED_LIMIT, check_int
 from ._world import rank_share, resolve_world, step_total
 
@@ -34,9 +39,11 @@ class StepPlanSampler:
     #: steps computed per block while streaming, bounds memory of the iterator
     _block_indices = 1 << 16
 
-    def __init__(self, *, num_replicas: int, rank: int, seed: int) -> None:
+    def __init__(self, *, num_replicas: int, rank: int, seed: int, detected: bool = False) -> None:
         self.num_replicas = num_replicas
         self.rank = rank
+        #: whether rank or world size came from auto-detection (checked again when iterated)
+        self._detected_world = detected
         self.seed = check_int("seed", seed, minimum=0, below=SEED_LIMIT, owner=self._owner)
         self.epoch = 0
         self._resume_step = 0
@@ -89,6 +96,7 @@ class StepPlanSampler:
         ``state_dict`` and create a new one.
         """
         owner = f"{self._owner}.set_world"
+        self._detected_world = num_replicas is None or rank is None
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
         total_name, share_name = self._step_names
         total = step_total(None, getattr(self, total_name), num_replicas, owner=owner, names=(share_name, total_name))
@@ -115,15 +123,18 @@ class StepPlanSampler:
             self._steps_cache = (self.epoch, self._count_steps(self.epoch))
         return self._steps_cache[1]
 
-    def _remaining_steps(self) -> int:
-        return max(self.num_batches - self._resume_step, 0)
-
     def _iter_batches(self) -> Iterator[np.ndarray]:
         """This rank's batches from the resume step to the end of the epoch.
 
         The position counters are reset here, when the iterator is created
         (not at its first ``next``), so ``state_dict`` is right at any time.
+        Here too, once per iterator, the sampler refuses to run under a
+        framework's re-sharding wrapper or with a world size that the live
+        process group contradicts (see :mod:`._guard`).
         """
+        check_not_resharded(self._owner)
+        if self._detected_world:
+            check_world_still_holds(self.num_replicas, self.rank, owner=self._owner)
         epoch, start, stop = self.epoch, self._resume_step, self.num_batches
         self._iter_start, self._yielded = start, 0
         return self._generate(epoch, start, stop)
@@ -193,6 +204,30 @@ class StepPlanSampler:
                 )
 
 
+class _EpochHandle:
+    """What frameworks reach as ``loader.batch_sampler.sampler``: forwards ``set_epoch`` to the batch sampler.
+
+    Lightning (``_set_sampler_epoch``) and Accelerate (``DataLoaderShard.set_epoch``)
+    look for ``set_epoch`` on the batch sampler's ``.sampler``, as torch's
+    ``BatchSampler`` has it. A separate small object, not the batch sampler
+    itself, so code that walks ``.sampler`` chains never loops.
+    """
+
+    def __init__(self, owner: "BatchForm") -> None:
+        self._owner = owner
+
+    def set_epoch(self, epoch: int) -> None:
+        """``set_epoch`` of the batch sampler that owns this handle."""
+        self._owner.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        """Indices in the owner's epoch (a whole number of batches)."""
+        return len(self._owner) * self._owner.batch_size
+
+    def __repr__(self) -> str:
+        return f"<set_epoch handle of {type(self._owner).__name__}>"
+
+
 class BatchForm(StepPlanSampler):
     """The batch form of a step-plan sampler: one list of indices per global step (``batch_sampler=``)."""
 
@@ -200,8 +235,13 @@ class BatchForm(StepPlanSampler):
         return (batch.tolist() for batch in self._iter_batches())
 
     def __len__(self) -> int:
-        """Batches the next iteration yields (from the resume step to the end of the epoch)."""
-        return self._remaining_steps()
+        """Batches in the current epoch, a resumed one included (its iterator starts at the saved step)."""
+        return self.num_batches
+
+    @property
+    def sampler(self) -> _EpochHandle:
+        """A handle whose ``set_epoch`` reaches this sampler, where frameworks look for it (``batch_sampler.sampler``)."""
+        return _EpochHandle(self)
 
 
 class FlatForm(BatchForm):
@@ -211,5 +251,6 @@ class FlatForm(BatchForm):
         return itertools.chain.from_iterable(BatchForm.__iter__(self))
 
     def __len__(self) -> int:
-        """Indices the next iteration yields: whole batches of ``batch_size``."""
-        return BatchForm.__len__(self) * self.batch_size
+        """Indices in the current epoch: whole batches of ``batch_size`` (a resumed iterator yields the rest)."""
+        return self.num_batches * self.batch_size
+

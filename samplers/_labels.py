@@ -34,8 +34,72 @@ def _is_array_like(value: Any) -> bool:
     return hasattr(value, "detach") and hasattr(value, "cpu") and hasattr(value, "numpy")
 
 
+def _top_module(value: Any) -> str:
+    return (getattr(type(value), "__module__", "") or "").split(".")[0]
+
+
+def _arrow_numpy(array: Any, owner: str) -> np.ndarray:
+    """A pyarrow ``Array`` or ``ChunkedArray`` as numpy, whole columns at a time; nulls are refused."""
+    if array.null_count:
+        position = int(np.flatnonzero(np.asarray(array.is_null()))[0])
+        raise ValueError(f"{owner}(labels=) has {array.null_count} missing (null) labels, the first at index "
+                         f"{position}; every sample needs a class label")
+    try:
+        return np.asarray(array.to_numpy(zero_copy_only=False))
+    except TypeError:  # ChunkedArray.to_numpy of older pyarrow takes no argument
+        return np.asarray(array.to_numpy())
+
+
+def _hf_dataset_column(dataset: Any, name: str, owner: str) -> np.ndarray:
+    """Column ``name`` of a Hugging Face ``Dataset``, in the dataset's current row order.
+
+    Read from the Arrow table in one piece, then put in row order with the
+    dataset's indices mapping (what ``shuffle``, ``select`` and ``filter``
+    leave) as one numpy gather; no row is formatted one by one.
+    """
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "data"):
+        raise TypeError(
+            f"{owner}(labels=) got a streaming {type(dataset).__name__}: the sampler needs one label per sample "
+            "of a map-style dataset (load it without streaming=True)"
+        )
+    values = _arrow_numpy(dataset.data.column(name), owner)
+    indices = getattr(dataset, "_indices", None)
+    if indices is not None:
+        values = values[_arrow_numpy(indices.column(0), owner).astype(np.int64)]
+    return values
+
+
+def _columnar(labels: Any, owner: str) -> Any | None:
+    """Labels from a columnar source as numpy, or None when ``labels`` is not one.
+
+    Accepted: a Hugging Face ``Column`` (``ds["label"]``), a pyarrow
+    ``Array``/``ChunkedArray``, a Hugging Face ``Dataset`` with a ``label`` or
+    ``labels`` column, and anything with ``to_numpy()`` or ``__array__``
+    (pandas, polars). Each is read whole, never row by row.
+    """
+    module = _top_module(labels)
+    if module == "datasets" and type(labels).__name__ in ("Column", "IterableColumn"):
+        source = getattr(labels, "source", None)
+        if source is not None and hasattr(source, "column_names"):
+            return _hf_dataset_column(source, labels.column_name, owner)
+        return np.asarray(labels[:] if hasattr(labels, "__getitem__") else list(labels))
+    if module == "pyarrow" and hasattr(labels, "null_count"):
+        return _arrow_numpy(labels, owner)
+    if module == "datasets" and hasattr(labels, "column_names"):
+        for name in ("label", "labels"):
+            if name in labels.column_names:
+                return _hf_dataset_column(labels, name, owner)
+        raise TypeError(f"{owner}(labels=) got a {type(labels).__name__} with columns {list(labels.column_names)} "
+                        "but no 'label' or 'labels' column: pass labels=dataset['<your label column>']")
+    if callable(getattr(labels, "to_numpy", None)):
+        return labels.to_numpy()
+    if hasattr(labels, "__array__"):
+        return np.asarray(labels)
+    return None
+
+
 def _source_of(labels: Any, owner: str) -> Any:
-    """The label container: ``labels`` itself, or a dataset's ``labels``/``targets``.
+    """The label container: ``labels`` itself, a columnar source read whole, or a dataset's ``labels``/``targets``.
 
     A dataset without either is refused instead of loading every sample to
     read labels from it.
@@ -45,11 +109,16 @@ def _source_of(labels: Any, owner: str) -> Any:
     for attribute in ("labels", "targets"):
         value = getattr(labels, attribute, None)
         if value is not None:  # labels=None next to valid targets: the targets hold the labels
-            return value
+            found = None if _is_array_like(value) else _columnar(value, owner)
+            return value if found is None else found
+    columnar = _columnar(labels, owner)
+    if columnar is not None:
+        return columnar
     raise TypeError(
         f"{owner}(labels=) got a {type(labels).__name__} without a .labels or .targets attribute (or both None); "
         "the sampler never loads samples to read their labels: pass labels= as an array or list "
-        "with one class label per sample (or give the dataset a .labels attribute)"
+        "with one class label per sample, a Hugging Face dataset column (ds['label']) or a pyarrow array "
+        "(or give the dataset a .labels attribute)"
     )
 
 

@@ -10,6 +10,8 @@ W ranks, as evenly as possible, for any W from 1 to G (:func:`rank_share`).
 
 from __future__ import annotations
 
+import os
+
 from ._validate import check_int
 
 __all__ = ["rank_share", "rank_shares", "resolve_world", "step_total", "world_info"]
@@ -22,6 +24,21 @@ def world_info() -> tuple[int, int]:
     return comm.world_info()
 
 
+def _refuse_hidden_world(owner: str) -> None:
+    """Raise when one process was detected but ``WORLD_SIZE`` says the job has more.
+
+    Then this process is one rank of a larger job whose launcher did not say
+    which (no ``RANK``/``LOCAL_RANK``); a sampler taking "rank 0 of 1" would
+    train every rank on identical batches without an error.
+    """
+    size = os.environ.get("WORLD_SIZE", "")
+    if size.strip().isdigit() and int(size) > 1:
+        raise ValueError(
+            f"{owner}(num_replicas=None) detected one process, but the environment says WORLD_SIZE={size} and "
+            "gives no rank: build the sampler after the process group starts or pass num_replicas= and rank="
+        )
+
+
 def resolve_world(num_replicas: int | None, rank: int | None, *, owner: str) -> tuple[int, int]:
     """Fill in ``None`` arguments from :func:`world_info`; explicit arguments win.
 
@@ -29,6 +46,8 @@ def resolve_world(num_replicas: int | None, rank: int | None, *, owner: str) -> 
     """
     if num_replicas is None or rank is None:
         detected_rank, detected_size = world_info()
+        if num_replicas is None and detected_size == 1:
+            _refuse_hidden_world(owner)
         num_replicas = detected_size if num_replicas is None else num_replicas
         rank = detected_rank if rank is None else rank
     num_replicas = check_int("num_replicas", num_replicas, minimum=1, owner=owner)

@@ -50,13 +50,14 @@ class _BalancedPlan(StepPlanSampler):
         self.samples_per_class = check_int("samples_per_class", samples_per_class, minimum=1, owner=owner)
         self.small_classes = check_choice("small_classes", small_classes, SMALL_CLASS_POLICIES, owner=owner)
         self.class_weighting = check_real("class_weighting", class_weighting, low=0.0, high=4.0, owner=owner)
+        detected = num_replicas is None or rank is None
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
         #: G, classes in one global step (over all ranks)
         self.classes_per_step = step_total(classes_per_batch, classes_per_step, num_replicas, owner=owner,
                                            names=("classes_per_batch", "classes_per_step"))
         #: this rank's slots of every step: [first_slot, first_slot + classes_per_batch)
         self.first_slot, self.classes_per_batch = rank_share(self.classes_per_step, num_replicas, rank)
-        super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
+        super().__init__(num_replicas=num_replicas, rank=rank, seed=seed, detected=detected)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         limit = REPEAT_LIMIT * int(self.index.sizes.max())
         if self.samples_per_class > limit:
@@ -234,7 +235,9 @@ class DistributedBalancedBatchSampler(BatchForm, _BalancedPlan, Sampler[list[int
 
     Same arguments, plan and guarantees; use it as
     ``DataLoader(dataset, batch_sampler=s)``. ``len(s)`` is the number of
-    batches the next iteration yields.
+    batches in the epoch (a resumed iterator yields those after the saved
+    step); ``s.sampler.set_epoch`` reaches ``s.set_epoch``, where Lightning
+    and Accelerate look for it.
     """
 
     _owner = "DistributedBalancedBatchSampler"

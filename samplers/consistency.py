@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-__all__ = ["SamplerMismatchError", "check_consistent", "sampler_fingerprint"]
+__all__ = ["SamplerMismatchError", "check_consistent", "consistency_row", "sampler_fingerprint"]
 
 #: the fields compared across ranks, in fingerprint order
 _FIELDS = ("labels", "plan", "seed", "epoch", "num_replicas")
@@ -50,6 +50,15 @@ def sampler_fingerprint(sampler: Any) -> np.ndarray:
     )
 
 
+def consistency_row(sampler: Any) -> np.ndarray:
+    """What :func:`check_consistent` gathers from each rank: the fingerprint, then the sampler's ``rank``.
+
+    The fingerprint must be equal on every rank; the rank must equal the
+    process's place in the gather (the live process group's rank order).
+    """
+    return np.append(sampler_fingerprint(sampler), np.int64(sampler.rank))
+
+
 def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> None:
     """Raise :class:`SamplerMismatchError` on every rank if the ranks' samplers differ.
 
@@ -60,8 +69,11 @@ def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> Non
             (Horovod or torch.distributed when initialised, else one process).
 
     Every rank must call this at the same point (it is a collective).
+    Besides the fingerprint it checks each sampler's ``num_replicas`` and
+    ``rank`` against the processes that took part: their number, and each
+    process's place in the gather (its rank in the live process group).
     """
-    mine = sampler_fingerprint(sampler)
+    mine = consistency_row(sampler)
     if allgather is None:
         from pksampler.comm import all_gather_numpy as allgather
     table = np.asarray(allgather(mine))
@@ -71,6 +83,8 @@ def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> Non
         raise SamplerMismatchError(
             f"{table.shape[0]} processes took part in the check but the sampler has num_replicas={sampler.num_replicas}"
         )
+    _check_ranks(table[:, -1])
+    table = table[:, :-1]
     differing = [name for column, name in enumerate(_FIELDS) if np.unique(table[:, column]).size > 1]
     if differing:
         details = []
@@ -86,4 +100,15 @@ def check_consistent(sampler: Any, *, allgather: Allgather | None = None) -> Non
         raise SamplerMismatchError(
             "samplers differ across ranks, which would make ranks build different plans and hang in a "
             "collective: " + ", ".join(details)
+        )
+
+
+def _check_ranks(ranks: np.ndarray) -> None:
+    """Each process's sampler must hold the rank of its place in the gather (the live process group's rank)."""
+    wrong = np.flatnonzero(ranks != np.arange(ranks.shape[0]))
+    if wrong.size:
+        shown = "; ".join(f"process {int(p)} has rank={int(ranks[p])}" for p in wrong[:4])
+        raise SamplerMismatchError(
+            f"sampler ranks do not match the process group ({shown}): ranks would train on the same or missing "
+            "batches; pass each process's own rank (or leave rank=None to detect it)"
         )

@@ -40,13 +40,14 @@ class _TripletPlan(StepPlanSampler):
         self.negatives = check_choice("negatives", negatives, NEGATIVE_POLICIES, owner=owner)
         hard_classes = check_int("hard_classes", hard_classes, minimum=1, owner=owner)
         self.hard_fraction = check_real("hard_fraction", hard_fraction, low=0.0, high=1.0, owner=owner)
+        detected = num_replicas is None or rank is None
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
         #: triplets in one global step (over all ranks)
         self.triplets_per_step = step_total(triplets_per_batch, triplets_per_step, num_replicas, owner=owner,
                                             names=("triplets_per_batch", "triplets_per_step"))
         #: this rank's triplet slots of every step: [first_slot, first_slot + triplets_per_batch)
         self.first_slot, self.triplets_per_batch = rank_share(self.triplets_per_step, num_replicas, rank)
-        super().__init__(num_replicas=num_replicas, rank=rank, seed=seed)
+        super().__init__(num_replicas=num_replicas, rank=rank, seed=seed, detected=detected)
         self.index: ClassIndex = labels if isinstance(labels, ClassIndex) else group_labels(labels, owner=owner)
         if self.index.num_classes < 2:
             raise ValueError(f"{owner}(labels=) needs at least 2 classes for negatives, got {self.index.num_classes}")

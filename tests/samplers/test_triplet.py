@@ -134,9 +134,9 @@ def test_neighbour_table_is_part_of_the_consistency_fingerprint_and_state():
     mine_into(a, embeddings, labels)
     a.set_epoch(1)
     b.set_epoch(1)
-    from pksampler.samplers import sampler_fingerprint
+    from pksampler.samplers import consistency_row
 
-    rows = np.stack([sampler_fingerprint(a), sampler_fingerprint(b)])
+    rows = np.stack([consistency_row(a), consistency_row(b)])
     with pytest.raises(SamplerMismatchError, match="plan differs"):
         check_consistent(a, allgather=lambda row: rows)
     fresh = DistributedTripletBatchSampler(labels, 4, num_replicas=2, rank=0, negatives="hard")

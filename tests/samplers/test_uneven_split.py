@@ -181,9 +181,9 @@ def test_ranks_of_an_uneven_split_pass_the_consistency_check():
     labels = np.arange(300) % 30
     samplers = [DistributedBalancedBatchSampler(labels, samples_per_class=2, classes_per_step=8, num_replicas=3,
                                                 rank=rank) for rank in range(3)]
-    from pksampler.samplers import sampler_fingerprint
+    from pksampler.samplers import consistency_row
 
-    table = np.stack([sampler_fingerprint(s) for s in samplers])
+    table = np.stack([consistency_row(s) for s in samplers])
     for sampler in samplers:
         check_consistent(sampler, allgather=lambda row: table)  # batch sizes differ, the fingerprint does not
 

@@ -9,7 +9,7 @@ from pksampler.samplers import (
     DistributedBalancedBatchSampler,
     SamplerMismatchError,
     check_consistent,
-    sampler_fingerprint,
+    consistency_row,
     world_info,
 )
 
@@ -43,7 +43,7 @@ def test_explicit_arguments_win_and_detected_rank_is_checked(monkeypatch):
 
 
 def simulated_allgather(samplers):
-    rows = np.stack([sampler_fingerprint(s) for s in samplers])
+    rows = np.stack([consistency_row(s) for s in samplers])
     return lambda row: rows
 
 

@@ -1,0 +1,111 @@
+"""Refuse, in one line, the two ways frameworks silently break a P x K sampler.
+
+1. **Re-sharding wrappers.** Lightning's default
+   (``Trainer(use_distributed_sampler=True)``) wraps any sampler in a
+   ``DistributedSamplerWrapper`` that shuffles the rank's stream and keeps
+   1/W of it; ``accelerator.prepare(loader)`` deals the rank's batches
+   round-robin (``BatchSamplerShard``) or feeds every rank from rank 0
+   (``DataLoaderDispatcher``). Each turns P x K batches into something else
+   without an error. The sampler already gives every rank its share, so when
+   it finds one of them on the call stack that creates its iterator it raises
+   :class:`SamplerSetupError` naming the setting that leaves it alone.
+2. **A world detected too early.** A sampler built before the process group
+   exists (Lightning starts it inside ``fit()``) may have found "rank 0 of 1"
+   on a rank of a larger world. When the rank and world size were detected,
+   the iterator compares them with the live runtime (or the launcher's
+   environment) and raises if they no longer hold.
+
+Only the frames above ``__iter__`` are read (no import of any framework), once
+per iterator; explicit ``num_replicas``/``rank`` are trusted (the cross-rank
+:func:`~pksampler.samplers.check_consistent` checks those).
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["SamplerSetupError", "check_not_resharded", "check_world_still_holds", "resharding_wrapper"]
+
+#: frames above the sampler's ``__iter__`` searched for a wrapper (DataLoader and fetcher layers included)
+_DEPTH = 24
+
+_LIGHTNING_FIX = ("pass Trainer(use_distributed_sampler=False) (Fabric: setup_dataloaders(..., "
+                  "use_distributed_sampler=False)); the sampler already gives each rank its share of every step")
+_ACCELERATE_FIX = ("leave the DataLoader out of accelerator.prepare(...) (prepare the model and optimizer only) and "
+                   "call sampler.set_epoch(epoch) yourself; the sampler already gives each rank its share of every step")
+
+#: (module prefixes, class name) -> the fix named in the error
+_WRAPPERS = {
+    (("lightning", "pytorch_lightning", "lightning_fabric"), "_DatasetSamplerWrapper"): _LIGHTNING_FIX,
+    (("lightning", "pytorch_lightning", "lightning_fabric"), "DistributedSamplerWrapper"): _LIGHTNING_FIX,
+    (("accelerate",), "BatchSamplerShard"): _ACCELERATE_FIX,
+    (("accelerate",), "DataLoaderDispatcher"): _ACCELERATE_FIX,
+    (("accelerate",), "IterableDatasetShard"): _ACCELERATE_FIX,
+}
+
+
+class SamplerSetupError(RuntimeError):
+    """A sampler used in a way that would silently break its P x K batches; the message names the fix."""
+
+
+def _wrapper_fix(obj: object) -> tuple[str, str] | None:
+    """``(qualified class name, fix)`` when ``obj`` is a known re-sharding wrapper, else None."""
+    cls = type(obj)
+    module = getattr(cls, "__module__", "") or ""
+    for (prefixes, name), fix in _WRAPPERS.items():
+        if cls.__name__ == name and module.split(".")[0] in prefixes:
+            return f"{module}.{name}", fix
+    return None
+
+
+def resharding_wrapper(skip: int = 1) -> tuple[str, str] | None:
+    """The re-sharding wrapper found in the calling frames (``(class, fix)``), or None."""
+    frame = sys._getframe(skip + 1)
+    for _ in range(_DEPTH):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
+        found = _wrapper_fix(owner) if owner is not None else None
+        if found is not None:
+            return found
+        frame = frame.f_back
+    return None
+
+
+def check_not_resharded(owner: str) -> None:
+    """Raise :class:`SamplerSetupError` when a framework's re-sharding wrapper is iterating this sampler."""
+    found = resharding_wrapper(skip=2)
+    if found is not None:
+        wrapper, fix = found
+        raise SamplerSetupError(
+            f"{owner} is iterated through {wrapper}, which re-shards its batches across ranks and breaks "
+            f"P x K without an error: {fix}"
+        )
+
+
+def _live_world() -> tuple[int, int, str] | None:
+    """``(rank, size, source)`` of the running runtime, else of the launcher's environment, else None."""
+    from pksampler import comm
+
+    hvd = comm.initialised_horovod()
+    if hvd is not None:
+        return int(hvd.rank()), int(hvd.size()), "Horovod"
+    dist = comm.initialised_torch_distributed()
+    if dist is not None:
+        return int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed"
+    found = comm.launcher_world()
+    return (found[0], found[1], "the launcher's environment") if found is not None else None
+
+
+def check_world_still_holds(num_replicas: int, rank: int, *, owner: str) -> None:
+    """Raise when a detected ``(rank, num_replicas)`` disagrees with the live runtime or launcher environment."""
+    live = _live_world()
+    if live is None or (live[0], live[1]) == (rank, num_replicas):
+        return
+    live_rank, live_size, source = live
+    raise SamplerSetupError(
+        f"{owner} detected rank {rank} of num_replicas={num_replicas} when it was built, but {source} now says "
+        f"rank {live_rank} of {live_size} (it was built before the process group started): build it after the "
+        "process group starts (e.g. in LightningDataModule.setup() or train_dataloader()) or pass "
+        "num_replicas= and rank= explicitly"
+    )

@@ -1,0 +1,100 @@
+"""The sampler inside frameworks, in one process: whole-epoch ``len``, ``set_epoch`` reachable, loud wrappers.
+
+The wrappers here are the frameworks' own classes (Lightning's
+``DistributedSamplerWrapper``, Accelerate's ``BatchSamplerShard``), built for
+rank 0 of 2 without a process group; tests/frameworks/ runs the same cases
+with real processes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler, SamplerSetupError
+from pksampler.samplers import world_info
+
+LABELS = np.arange(400) % 40
+
+
+def test_len_is_the_whole_epoch_and_a_resumed_iterator_starts_at_the_saved_step():
+    sampler = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=2, rank=1, seed=3)
+    sampler.set_epoch(2)
+    full = list(sampler)
+    assert len(sampler) == len(full) == sampler.num_batches
+    resumed = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=2, rank=1)
+    resumed.load_state_dict(sampler.state_dict(batches_consumed=3))
+    assert len(resumed) == len(full) and list(resumed) == full[3:]
+    flat = DistributedBalancedSampler(LABELS, 4, 2, num_replicas=2, rank=1)
+    flat.load_state_dict(sampler.state_dict(batches_consumed=3))
+    assert len(flat) == len(full) * flat.batch_size and list(flat) == [i for b in full[3:] for i in b]
+
+
+def test_the_batch_form_exposes_set_epoch_where_frameworks_look():
+    sampler = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=2, rank=0)
+    handle = sampler.sampler
+    assert not hasattr(handle, "sampler")  # no .sampler chain for frameworks to walk
+    handle.set_epoch(5)
+    assert sampler.epoch == 5 and len(handle) == len(sampler) * sampler.batch_size
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(range(400), batch_sampler=sampler)
+    getattr(loader.batch_sampler, "sampler").set_epoch(6)  # what Lightning's _set_sampler_epoch does
+    assert sampler.epoch == 6
+
+
+def test_lightning_distributed_sampler_wrapper_is_refused_in_one_line():
+    wrapper_module = pytest.importorskip("lightning.fabric.utilities.distributed")
+    sampler = DistributedBalancedSampler(LABELS, 4, 2, num_replicas=2, rank=0)
+    wrapped = wrapper_module.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=True)
+    with pytest.raises(SamplerSetupError, match=r"^DistributedBalancedSampler is iterated through "
+                       r"lightning\.fabric\.utilities\.distributed\._DatasetSamplerWrapper, which re-shards .*"
+                       r"pass Trainer\(use_distributed_sampler=False\)") as caught:
+        list(wrapped)
+    assert "\n" not in str(caught.value)
+    assert len(list(sampler)) == len(sampler)  # iterated directly it runs
+
+
+@pytest.mark.parametrize("split_batches", [False, True])
+def test_accelerate_batch_sampler_shard_is_refused(split_batches):
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    sampler = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=2, rank=0)
+    shard = data_loader.BatchSamplerShard(sampler, num_processes=2, process_index=0, split_batches=split_batches)
+    with pytest.raises(SamplerSetupError, match=r"accelerate\.data_loader\.BatchSamplerShard.*leave the DataLoader "
+                                                r"out of accelerator\.prepare"):
+        next(iter(shard))
+
+
+def test_lightning_children_environment_gives_the_rank(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("NODE_RANK", "0")
+    assert world_info() == (1, 2)
+    sampler = DistributedBalancedBatchSampler(LABELS, 4, 2)
+    assert (sampler.rank, sampler.num_replicas) == (1, 2)
+    monkeypatch.setenv("NODE_RANK", "1")
+    with pytest.raises(ValueError, match=r"NODE_RANK=1 and LOCAL_RANK=1 but no RANK or LOCAL_WORLD_SIZE"):
+        world_info()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert world_info() == (3, 4)
+
+
+def test_a_world_size_without_a_rank_is_refused_not_taken_as_one_process(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"num_replicas=None\) detected one process, but the environment says "
+                                         r"WORLD_SIZE=2 and gives no rank"):
+        DistributedBalancedBatchSampler(LABELS, 4, 2)
+    DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=1, rank=0)  # explicit values are trusted
+
+
+def test_a_world_detected_before_the_launcher_spoke_is_refused_when_iterated(monkeypatch):
+    sampler = DistributedBalancedBatchSampler(LABELS, 4, 2)  # detects rank 0 of 1
+    assert (sampler.rank, sampler.num_replicas) == (0, 1)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SamplerSetupError, match=r"detected rank 0 of num_replicas=1 when it was built, but the "
+                                                r"launcher's environment now says rank 0 of 2"):
+        iter(sampler)
+    explicit = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=1, rank=0)
+    assert len(list(explicit)) == len(explicit)
