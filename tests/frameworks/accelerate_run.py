@@ -14,12 +14,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader
 
-from framework_runs import G, K, SEED, IndexDataset, write_record
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler
 
 

@@ -17,12 +17,12 @@ import os
 import sys
 from pathlib import Path
 
+from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
 import lightning as L
 import torch
 from torch.utils.data import DataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from framework_runs import G, K, SEED, IndexDataset, write_record
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler
 
 OUT = Path(sys.argv[1])

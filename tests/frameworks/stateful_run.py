@@ -12,10 +12,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from framework_runs import G, K, SEED, IndexDataset, write_record
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler, check_consistent
 
 STOP = 20

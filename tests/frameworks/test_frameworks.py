@@ -16,16 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from framework_runs import STEPS, WORLD, check_epoch, reference_plan
-
-pytest.importorskip("lightning", reason="the frameworks extra (pip install -e .[frameworks])")
-pytest.importorskip("accelerate", reason="the frameworks extra")
-pytest.importorskip("torchdata.stateful_dataloader", reason="the frameworks extra")
+from framework_runs import STEPS, WORLD, check_epoch, reference_plan  # first: torchvision importable here
 
 HERE = Path(__file__).resolve().parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(HERE)}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
 for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
     ENV.pop(key, None)
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-datasets = pytest.importorskip("datasets", reason="the frameworks extra (pip install -e .[frameworks])")
-import pyarrow as pa  # noqa: E402  (installed with datasets)
+import pyarrow as pa
+from hf_datasets import import_hf_datasets
 
-from pksampler.samplers import DistributedBalancedBatchSampler  # noqa: E402
-from pksampler.samplers._labels import extract_labels  # noqa: E402
+from pksampler.samplers import DistributedBalancedBatchSampler
+from pksampler.samplers._labels import extract_labels
+
+datasets = import_hf_datasets()
 
 
 def _dataset(n: int = 600, classes: int = 30) -> "datasets.Dataset":

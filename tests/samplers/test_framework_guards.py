@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from torchvision_fallback import importable_torchvision
 
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler, SamplerSetupError
 from pksampler.samplers import world_info
+
+importable_torchvision()  # Lightning imports it through torchmetrics
 
 LABELS = np.arange(400) % 40
 
@@ -44,7 +47,8 @@ def test_the_batch_form_exposes_set_epoch_where_frameworks_look():
 
 
 def test_lightning_distributed_sampler_wrapper_is_refused_in_one_line():
-    wrapper_module = pytest.importorskip("lightning.fabric.utilities.distributed")
+    from lightning.fabric.utilities import distributed as wrapper_module
+
     sampler = DistributedBalancedSampler(LABELS, 4, 2, num_replicas=2, rank=0)
     wrapped = wrapper_module.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=True)
     with pytest.raises(SamplerSetupError, match=r"^DistributedBalancedSampler is iterated through "
@@ -57,7 +61,8 @@ def test_lightning_distributed_sampler_wrapper_is_refused_in_one_line():
 
 @pytest.mark.parametrize("split_batches", [False, True])
 def test_accelerate_batch_sampler_shard_is_refused(split_batches):
-    data_loader = pytest.importorskip("accelerate.data_loader")
+    from accelerate import data_loader
+
     sampler = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=2, rank=0)
     shard = data_loader.BatchSamplerShard(sampler, num_processes=2, process_index=0, split_batches=split_batches)
     with pytest.raises(SamplerSetupError, match=r"accelerate\.data_loader\.BatchSamplerShard.*leave the DataLoader "
