@@ -112,6 +112,7 @@ class StepPlanSampler:
         clears a pending mid-epoch resume position.
         """
         epoch = check_int("epoch", epoch, minimum=0, below=SEED_LIMIT, owner=f"{self._owner}.set_epoch")
+        check_not_resharded(self._owner)  # Accelerate's dispatcher calls this on every rank, iterates on rank 0 only
         if epoch != self.epoch:
             self._resume_step = 0
         self.epoch = epoch

@@ -7,7 +7,9 @@
    round-robin (``BatchSamplerShard``) or feeds every rank from rank 0
    (``DataLoaderDispatcher``). Each turns P x K batches into something else
    without an error. The sampler already gives every rank its share, so when
-   it finds one of them on the call stack that creates its iterator it raises
+   it finds one of them on the call stack that creates its iterator (or
+   that calls ``set_epoch``: the dispatcher does so on every rank but
+   iterates on rank 0 only, so every rank must refuse there) it raises
    :class:`SamplerSetupError` naming the setting that leaves it alone.
 2. **A world detected too early.** A sampler built before the process group
    exists (Lightning starts it inside ``fit()``) may have found "rank 0 of 1"
@@ -15,8 +17,8 @@
    the iterator compares them with the live runtime (or the launcher's
    environment) and raises if they no longer hold.
 
-Only the frames above ``__iter__`` are read (no import of any framework), once
-per iterator; explicit ``num_replicas``/``rank`` are trusted (the cross-rank
+Only the frames above ``__iter__`` and ``set_epoch`` are read (no import of
+any framework), once per call; explicit ``num_replicas``/``rank`` are trusted (the cross-rank
 :func:`~pksampler.samplers.check_consistent` checks those).
 """
 
@@ -34,13 +36,17 @@ _LIGHTNING_FIX = ("pass Trainer(use_distributed_sampler=False) (Fabric: setup_da
 _ACCELERATE_FIX = ("leave the DataLoader out of accelerator.prepare(...) (prepare the model and optimizer only) and "
                    "call sampler.set_epoch(epoch) yourself; the sampler already gives each rank its share of every step")
 
-#: (module prefixes, class name) -> the fix named in the error
+_LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
+_LIGHTNING_WRAPPER = "Lightning's DistributedSamplerWrapper (Trainer(use_distributed_sampler=True), the default)"
+#: (module prefixes, class name) -> (what the error calls it, the fix it names)
 _WRAPPERS = {
-    (("lightning", "pytorch_lightning", "lightning_fabric"), "_DatasetSamplerWrapper"): _LIGHTNING_FIX,
-    (("lightning", "pytorch_lightning", "lightning_fabric"), "DistributedSamplerWrapper"): _LIGHTNING_FIX,
-    (("accelerate",), "BatchSamplerShard"): _ACCELERATE_FIX,
-    (("accelerate",), "DataLoaderDispatcher"): _ACCELERATE_FIX,
-    (("accelerate",), "IterableDatasetShard"): _ACCELERATE_FIX,
+    (_LIGHTNING, "_DatasetSamplerWrapper"): (_LIGHTNING_WRAPPER, _LIGHTNING_FIX),
+    (_LIGHTNING, "DistributedSamplerWrapper"): (_LIGHTNING_WRAPPER, _LIGHTNING_FIX),
+    (("accelerate",), "BatchSamplerShard"): ("Accelerate's BatchSamplerShard (accelerator.prepare(loader))",
+                                             _ACCELERATE_FIX),
+    (("accelerate",), "DataLoaderDispatcher"): ("Accelerate's DataLoaderDispatcher (dispatch_batches=True)",
+                                                _ACCELERATE_FIX),
+    (("accelerate",), "IterableDatasetShard"): ("Accelerate's IterableDatasetShard", _ACCELERATE_FIX),
 }
 
 
@@ -49,17 +55,17 @@ class SamplerSetupError(RuntimeError):
 
 
 def _wrapper_fix(obj: object) -> tuple[str, str] | None:
-    """``(qualified class name, fix)`` when ``obj`` is a known re-sharding wrapper, else None."""
+    """``(wrapper's name, fix)`` when ``obj`` is a known re-sharding wrapper, else None."""
     cls = type(obj)
     module = getattr(cls, "__module__", "") or ""
-    for (prefixes, name), fix in _WRAPPERS.items():
+    for (prefixes, name), found in _WRAPPERS.items():
         if cls.__name__ == name and module.split(".")[0] in prefixes:
-            return f"{module}.{name}", fix
+            return found
     return None
 
 
 def resharding_wrapper(skip: int = 1) -> tuple[str, str] | None:
-    """The re-sharding wrapper found in the calling frames (``(class, fix)``), or None."""
+    """The re-sharding wrapper found in the calling frames (``(name, fix)``), or None."""
     frame = sys._getframe(skip + 1)
     for _ in range(_DEPTH):
         if frame is None:
@@ -78,7 +84,7 @@ def check_not_resharded(owner: str) -> None:
     if found is not None:
         wrapper, fix = found
         raise SamplerSetupError(
-            f"{owner} is iterated through {wrapper}, which re-shards its batches across ranks and breaks "
+            f"{owner} is used through {wrapper}, which re-shards its batches across ranks and breaks "
             f"P x K without an error: {fix}"
         )
 

@@ -63,8 +63,9 @@ def main() -> None:
     record["prepare-flat"] = first_batch(lambda: accelerator.prepare(flat_loader()))
     record["split"] = first_batch(lambda: prepare_data_loader(flat_loader(), num_processes=world, process_index=rank,
                                                               split_batches=True))
-    record["dispatch"] = first_batch(lambda: prepare_data_loader(flat_loader(), num_processes=world,
-                                                                 process_index=rank, dispatch_batches=True))
+    record["dispatch"] = first_batch(lambda: prepare_data_loader(flat_loader(), accelerator.device, num_processes=world,
+                                                                 process_index=rank, dispatch_batches=True,
+                                                                 put_on_device=True))
     write_record(out, f"accelerate-rank{rank}", record)
     accelerator.wait_for_everyone()
 

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from launch import kill_agent
+
 from framework_runs import STEPS, WORLD, check_epoch, reference_plan  # first: torchvision importable here
 
 HERE = Path(__file__).resolve().parent
@@ -31,7 +33,7 @@ def run(command: list[str], *, timeout: float = 300.0, env: dict[str, str] | Non
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
+        kill_agent(process)  # the whole tree: torchrun starts its workers in sessions of their own
         output, _ = process.communicate()
         raise AssertionError(f"{command} timed out after {timeout}s:\n{output[-4000:]}") from None
     return output
@@ -59,18 +61,21 @@ def test_lightning_ddp_trains_exact_pk_resumes_exactly_and_refuses_its_default(t
     check_epoch(epochs_of(ranks, "resume", 0), 0, start=20)  # the loader's state came back with the checkpoint
     check_epoch(epochs_of(ranks, "resume", 1), 1)  # the next epoch is whole: len() is the epoch's length
     for record in ranks:
-        assert record["batch-default"]["error"].startswith("TypeError: Lightning can't inject a (distributed) "
-                                                           "sampler into your batch sampler")
-        assert "use_distributed_sampler=False" in json.dumps(record["batch-default"])
+        # Lightning's own error, before any batch: it names the fix, Trainer(use_distributed_sampler=False)
+        error = " ".join(record["batch-default"]["error"].split())
+        assert error.startswith("TypeError: Lightning can't inject a (distributed) sampler into your batch sampler")
+        assert "set `Trainer(use_distributed_sampler=False)`" in error
         assert record["flat-default"]["error"] == (
-            "SamplerSetupError: DistributedBalancedSampler is iterated through "
-            "lightning.fabric.utilities.distributed._DatasetSamplerWrapper, which re-shards its batches across "
+            "SamplerSetupError: DistributedBalancedSampler is used through Lightning's "
+            "DistributedSamplerWrapper (Trainer(use_distributed_sampler=True), the default), which re-shards its "
+            "batches across "
             "ranks and breaks P x K without an error: pass Trainer(use_distributed_sampler=False) (Fabric: "
             "setup_dataloaders(..., use_distributed_sampler=False)); the sampler already gives each rank its "
             "share of every step")
     assert ranks[0]["early"]["error"].startswith(
         "SamplerSetupError: DistributedBalancedSampler detected rank 0 of num_replicas=1 when it was built, "
         "but torch.distributed now says rank 0 of 2"), ranks[0]["early"]
+    assert "error" in ranks[1]["early"]  # rank 1 stopped too (its peer left), instead of training rank 0's batches
 
 
 def test_accelerate_launch_trains_exact_pk_unprepared_and_refuses_each_prepared_loader(tmp_path):

@@ -51,9 +51,9 @@ def test_lightning_distributed_sampler_wrapper_is_refused_in_one_line():
 
     sampler = DistributedBalancedSampler(LABELS, 4, 2, num_replicas=2, rank=0)
     wrapped = wrapper_module.DistributedSamplerWrapper(sampler, num_replicas=2, rank=0, shuffle=True)
-    with pytest.raises(SamplerSetupError, match=r"^DistributedBalancedSampler is iterated through "
-                       r"lightning\.fabric\.utilities\.distributed\._DatasetSamplerWrapper, which re-shards .*"
-                       r"pass Trainer\(use_distributed_sampler=False\)") as caught:
+    with pytest.raises(SamplerSetupError, match=r"^DistributedBalancedSampler is used through "
+                       r"Lightning's DistributedSamplerWrapper \(Trainer\(use_distributed_sampler=True\), the "
+                       r"default\), which re-shards .* pass Trainer\(use_distributed_sampler=False\)") as caught:
         list(wrapped)
     assert "\n" not in str(caught.value)
     assert len(list(sampler)) == len(sampler)  # iterated directly it runs
@@ -65,8 +65,8 @@ def test_accelerate_batch_sampler_shard_is_refused(split_batches):
 
     sampler = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=2, rank=0)
     shard = data_loader.BatchSamplerShard(sampler, num_processes=2, process_index=0, split_batches=split_batches)
-    with pytest.raises(SamplerSetupError, match=r"accelerate\.data_loader\.BatchSamplerShard.*leave the DataLoader "
-                                                r"out of accelerator\.prepare"):
+    with pytest.raises(SamplerSetupError, match=r"Accelerate's BatchSamplerShard \(accelerator\.prepare\(loader\)\).*"
+                                                r"leave the DataLoader out of accelerator\.prepare"):
         next(iter(shard))
 
 
