@@ -3,7 +3,7 @@
 ``python lightning_run.py OUT``. Runs, each recorded per rank in OUT/lightning-rank<r>.json:
 
 * ``flat``: flat sampler, plain DataLoader, ``use_distributed_sampler=False``, 2 epochs;
-* ``stop``/``resume``: batch sampler in torchdata's StatefulDataLoader, a checkpoint at step 20,
+* ``stop``/``resume``: batch sampler in torchdata's StatefulDataLoader (2 workers), a checkpoint at step 20,
   then ``fit(ckpt_path=...)`` for 2 epochs (Lightning saves and restores the loader's state);
 * ``batch-default``, ``flat-default``: Lightning's default ``use_distributed_sampler=True``;
 * ``early``: a sampler built before ``fit()`` (rank 0 has no launcher environment yet).
@@ -57,7 +57,7 @@ def flat_loader():
 
 def stateful_batch_loader():
     sampler = DistributedBalancedBatchSampler(IndexDataset(), samples_per_class=K, classes_per_step=G, seed=SEED)
-    return StatefulDataLoader(IndexDataset(), batch_sampler=sampler)
+    return StatefulDataLoader(IndexDataset(), batch_sampler=sampler, num_workers=2)
 
 
 def fit(make_loader, *, ckpt_path=None, distributed_sampler=False, **options):
