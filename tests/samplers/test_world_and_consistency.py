@@ -92,3 +92,12 @@ def test_one_launcher_detector_for_the_samplers_and_the_trainer(environ, expecte
     from pksampler import comm
 
     assert comm.launcher(environ) == expected
+
+
+def test_a_rank_that_is_not_the_process_rank_raises_on_every_rank():
+    labels = np.arange(200) % 20
+    samplers = [DistributedBalancedBatchSampler(labels, 2, 2, num_replicas=2, rank=0) for _ in range(2)]
+    for sampler in samplers:  # both processes built rank 0: every batch would be trained twice
+        with pytest.raises(SamplerMismatchError, match=r"sampler ranks do not match the process group "
+                                                       r"\(process 1 has rank=0\)"):
+            check_consistent(sampler, allgather=simulated_allgather(samplers))
