@@ -63,6 +63,8 @@ def _hf_dataset_column(dataset: Any, name: str, owner: str) -> np.ndarray:
             "of a map-style dataset (load it without streaming=True)"
         )
     values = _arrow_numpy(dataset.data.column(name), owner)
+    # ``_indices`` is the mapping datasets itself applies to every read (its formatting reads it row by row);
+    # tests/samplers/test_columnar_labels.py compares this read with row-by-row reads after each transform.
     indices = getattr(dataset, "_indices", None)
     if indices is not None:
         values = values[_arrow_numpy(indices.column(0), owner).astype(np.int64)]
