@@ -51,10 +51,11 @@ def test_extras_are_declared_and_installed_without_replacing_torch():
     import torch
 
     extras = importlib.metadata.metadata("pksampler").get_all("Provides-Extra")
-    assert {"horovod", "tensorboard", "pml", "dev"} <= set(extras)
+    assert {"horovod", "tensorboard", "pml", "frameworks", "dev"} <= set(extras)
     requires = importlib.metadata.requires("pksampler") or []
     assert any(r.startswith("matplotlib") and "extra" not in r for r in requires)
-    for package in ("tensorboard", "pytorch-metric-learning", "webdataset"):
+    for package in ("tensorboard", "pytorch-metric-learning", "webdataset", "lightning", "accelerate", "torchdata",
+                    "datasets", "pyarrow"):
         assert any(r.startswith(package) and 'extra == "dev"' in r for r in requires), package
         importlib.metadata.version(package)  # installed
     assert torch.__version__.split("+")[0] == TORCH_VERSION

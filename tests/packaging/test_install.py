@@ -45,3 +45,12 @@ def test_samplers_do_not_import_horovod_or_faiss(tmp_path):
         "import sys, pksampler.samplers; print('horovod' in sys.modules, 'faiss' in sys.modules)", cwd=tmp_path
     )
     assert out.split() == ["False", "False"]
+
+
+def test_the_library_imports_no_framework(tmp_path):
+    """The frameworks extra stays optional: building a sampler from labels imports none of them."""
+    code = ("import sys, numpy as np, pksampler, pksampler.samplers as s;"
+            "s.DistributedBalancedBatchSampler(np.arange(100) % 10, 2, 2, num_replicas=1, rank=0);"
+            "print(sorted(m for m in ('lightning', 'accelerate', 'torchdata', 'datasets', 'pyarrow', 'pandas')"
+            " if m in sys.modules))")
+    assert run_python(code, cwd=tmp_path).strip() == "[]"
