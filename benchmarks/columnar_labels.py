@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     rows = parser.parse_args().rows
     datasets = hf_datasets()
+    datasets.disable_progress_bars()
     from pksampler.samplers._labels import extract_labels
 
     rng = np.random.default_rng(0)

@@ -254,4 +254,3 @@ class FlatForm(BatchForm):
     def __len__(self) -> int:
         """Indices in the current epoch: whole batches of ``batch_size`` (a resumed iterator yields the rest)."""
         return self.num_batches * self.batch_size
-
