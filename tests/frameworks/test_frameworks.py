@@ -75,7 +75,8 @@ def test_lightning_ddp_trains_exact_pk_resumes_exactly_and_refuses_its_default(t
     assert ranks[0]["early"]["error"].startswith(
         "SamplerSetupError: DistributedBalancedSampler detected rank 0 of num_replicas=1 when it was built, "
         "but torch.distributed now says rank 0 of 2"), ranks[0]["early"]
-    assert "error" in ranks[1]["early"]  # rank 1 stopped too (its peer left), instead of training rank 0's batches
+    # rank 1 stopped too (its peer left) instead of training on: an error, or the process ended before recording
+    assert "error" in ranks[1].get("early", {"error": "ended"}), ranks[1]["early"]
 
 
 def test_accelerate_launch_trains_exact_pk_unprepared_and_refuses_each_prepared_loader(tmp_path):
