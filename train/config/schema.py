@@ -38,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistributedConfig",
+    "EvalConfig",
     "HeadConfig",
     "LossConfig",
     "ModelConfig",
@@ -222,6 +223,19 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """The held-out evaluation (train/evaluation/sharded.py): the gallery stays whole and spread over the ranks.
+
+    Every held-out item is a query up to ``queries`` of them; above it a
+    fixed class-stratified sample of that size, the same at every world size
+    and every evaluation. Recall@1 is reported with its standard error.
+    """
+
+    # most queries per evaluation (all held-out items up to this; a sample above it)
+    queries: int = _rule(100_000, rules.positive_int, resumable=True)
+
+
+@dataclass(frozen=True)
 class DistributedConfig:
     backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")), resumable=True)
 
@@ -237,6 +251,7 @@ class RunConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:
