@@ -12,6 +12,7 @@ Printed per rank: ``SHARDED-ALL rank r {json}`` (every item a query),
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -45,6 +46,11 @@ def start_runtime() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def say(text: str) -> None:
+    """One write per line: the ranks share the launcher's pipe, and print() may split a line in two writes."""
+    os.write(1, (text + "\n").encode())
+
+
 def line(tag: str, rank: int, result) -> str:
     return f"{tag} rank {rank} " + json.dumps({"metrics": result.metrics, "neighbours": result.neighbours.tolist(),
                                                "queries": int(result.query_ids.size),
@@ -60,15 +66,15 @@ def main() -> None:
     mine = np.flatnonzero(owner == rank)
     result = sharded_retrieval(x[mine], labels[mine], mine, neighbour_ids=SHOWN, num_neighbours=6,
                                max_neighbours_per_chunk=500)
-    print(line("SHARDED-ALL", rank, result), flush=True)
+    say(line("SHARDED-ALL", rank, result))
     queries = stratified_queries(labels, SAMPLED, seed=2)
     result = sharded_retrieval(x[mine], labels[mine], mine, query_ids=queries)
-    print(line("SHARDED-SAMPLED", rank, result), flush=True)
+    say(line("SHARDED-SAMPLED", rank, result))
     try:
         sharded_retrieval(x[mine], labels[mine], mine, query_ids=[rank])
     except ValueError as error:
         if "different query_ids" in str(error):
-            print(f"MISMATCH-RAISED rank {rank}", flush=True)
+            say(f"MISMATCH-RAISED rank {rank}")
 
 
 if __name__ == "__main__":
