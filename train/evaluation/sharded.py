@@ -312,9 +312,11 @@ def _pad(values: np.ndarray, width: int, fill: Any) -> np.ndarray:
 def _summary(per_query: dict[str, np.ndarray], used: np.ndarray, total: int) -> dict[str, float]:
     """Means in query-id order (the same at every W), the count, and Recall@1's standard error."""
     count = int(used.sum())
-    metrics = {name: (float(values[used].mean()) if count else float("nan")) for name, values in per_query.items()}
-    if "recall_at_1" in metrics:
-        metrics["recall_at_1_se"] = recall_standard_error(metrics["recall_at_1"], count)
+    metrics: dict[str, float] = {}
+    for name, values in per_query.items():
+        metrics[name] = float(values[used].mean()) if count else float("nan")
+        if name == "recall_at_1":  # its standard error beside it
+            metrics["recall_at_1_se"] = recall_standard_error(metrics[name], count)
     metrics["num_queries"] = count
     metrics["num_excluded"] = int(total - count)
     return metrics
