@@ -116,11 +116,10 @@ def reference_and_w1(args: argparse.Namespace) -> dict:
 
 
 def launch_ranks(args: argparse.Namespace) -> list[dict]:
+    # The ranks read their arguments from the environment: torchrun's own parser would take --num etc.
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.np),
-               "--master-port", str(args.port), __file__, "--rank-main", "--num", str(args.num), "--dim",
-               str(args.dim), "--per-class", str(args.per_class), "--queries", str(args.queries), "--seed",
-               str(args.seed)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+               "--master-port", str(args.port), __file__]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "SHARDED_EVAL_RANK_ARGS": json.dumps(vars(args))}
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     lines = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("RANK ")]
     if done.returncode != 0 or len(lines) != args.np:
@@ -137,11 +136,10 @@ def main() -> None:
     parser.add_argument("--np", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=29731)
-    parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.rank_main:
-        rank_main(args)
+    if "SHARDED_EVAL_RANK_ARGS" in os.environ:
+        rank_main(argparse.Namespace(**json.loads(os.environ["SHARDED_EVAL_RANK_ARGS"])))
         return
+    args = parser.parse_args()
     if args.num % args.per_class or BLOCK % args.per_class:
         sys.exit(f"--num and {BLOCK} must be multiples of --per-class, got --num {args.num} --per-class {args.per_class}")
     here = reference_and_w1(args)
