@@ -5,7 +5,8 @@ line with one process's :func:`evaluate_retrieval` on the whole gallery.
 Each rank holds a random share of a clustered gallery (global id = row).
 
 Printed per rank: ``SHARDED-ALL rank r {json}`` (every item a query),
-``SHARDED-SAMPLED rank r {json}`` (a stratified sample of queries) and
+``SHARDED-SAMPLED rank r {json}`` (a stratified sample of queries),
+``SHARDED-IVF rank r {json}`` (the approximate mode, with its exact check) and
 ``MISMATCH-RAISED rank r`` when the ranks pass different query ids.
 """
 
@@ -70,6 +71,8 @@ def main() -> None:
     queries = stratified_queries(labels, SAMPLED, seed=2)
     result = sharded_retrieval(x[mine], labels[mine], mine, query_ids=queries)
     say(line("SHARDED-SAMPLED", rank, result))
+    result = sharded_retrieval(x[mine], labels[mine], mine, index="ivf", nlist=8, nprobe=3, check_queries=300)
+    say(line("SHARDED-IVF", rank, result))
     try:
         sharded_retrieval(x[mine], labels[mine], mine, query_ids=[rank])
     except ValueError as error:

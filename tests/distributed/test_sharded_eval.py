@@ -3,7 +3,7 @@
 One launch per launcher checks: every rank gets the same metrics and
 neighbours, equal to one process's evaluate_retrieval over the whole
 gallery; the sampled-query evaluation equals the one-process (W = 1)
-sharded run; ranks passing different query ids fail on every rank, no hang.
+sharded run; the IVF mode agrees on every rank and stays near exact; ranks passing different query ids fail on every rank, no hang.
 """
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def test_two_real_ranks_get_the_metrics_of_one_process_over_the_whole_gallery(la
                             query_ids=stratified_queries(labels, ranks.SAMPLED, seed=2))
     assert sampled[0]["metrics"] == sampled[1]["metrics"] == json.loads(json.dumps(one.metrics))
     assert sampled[0]["queries"] == ranks.SAMPLED
+
+    approximate = _lines(result.stdout, "SHARDED-IVF")
+    assert approximate[0]["metrics"] == approximate[1]["metrics"]
+    assert abs(approximate[0]["metrics"]["recall_at_1"] - reference.metrics["recall_at_1"]) < 0.05
+    assert approximate[0]["metrics"]["ivf_check_queries"] > 250
 
     for rank in range(2):
         assert f"MISMATCH-RAISED rank {rank}" in result.stdout, result.stdout[-4000:]

@@ -172,3 +172,17 @@ def test_ranks_that_disagree_or_lose_a_query_fail_on_every_rank_naming_it():
         sharded_retrieval(x, labels, np.arange(labels.size), metric="hamming")
     with pytest.raises(ValueError, match=r"neighbour_ids=\) must be query ids; \[7\] are not"):
         sharded_retrieval(x, labels, np.arange(labels.size), query_ids=[1, 2], neighbour_ids=[7])
+
+
+def test_the_ivf_mode_is_close_to_exact_and_reports_its_own_gap_on_an_exact_sample():
+    x, labels = clustered(seed=6, classes=60, dim=16)
+    exact = run_ranks(1, x, labels)[0]
+    for w in (1, 2):
+        approx = run_ranks(w, x, labels, index="ivf", nlist=8, nprobe=3, check_queries=300, seed=w)
+        assert all(r.metrics == approx[0].metrics for r in approx)
+        metrics = approx[0].metrics
+        assert abs(metrics["recall_at_1"] - exact.metrics["recall_at_1"]) < 0.03
+        assert abs(metrics["map_at_r"] - exact.metrics["map_at_r"]) < 0.03
+        assert metrics["ivf_check_queries"] > 250 and abs(metrics["ivf_gap_recall_at_1"]) < 0.05
+    every_list = run_ranks(2, x, labels, index="ivf", nlist=8, nprobe=8, check_queries=10_000)[0].metrics
+    assert every_list["ivf_gap_recall_at_1"] == 0.0 and every_list["ivf_gap_map_at_r"] == 0.0

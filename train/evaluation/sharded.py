@@ -30,9 +30,10 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +41,8 @@ import torch
 from pksampler import comm
 from pksampler.arrays import as_numpy
 from pksampler.train.evaluation.metrics import METRICS, _check_options, _score
-from pksampler.train.evaluation.queries import recall_standard_error
+from pksampler.train.evaluation.ivf import IVF_POINTS_PER_LIST, build_ivf, default_nlist, ivf_search, sample_mask, train_centroids
+from pksampler.train.evaluation.queries import recall_standard_error, stratified_queries
 from pksampler.train.evaluation.shard_search import merge_topk, search_shard
 
 __all__ = ["ShardedResult", "sharded_retrieval"]
@@ -62,6 +64,8 @@ class ShardedResult:
         distances: same shape, float64, smaller is nearer; ``inf`` pads.
         metric: the metric used.
         bytes_received: bytes this rank received from the others (queries, counts and top-k lists).
+        query_labels: the queries' labels, in ``query_ids`` order.
+        per_query: each metric per query (``query_ids`` order; NaN for a query with R = 0).
     """
 
     metrics: dict[str, float]
@@ -71,6 +75,8 @@ class ShardedResult:
     distances: np.ndarray
     metric: str
     bytes_received: int
+    query_labels: np.ndarray = field(default=None, repr=False)
+    per_query: dict[str, np.ndarray] = field(default=None, repr=False)
 
     @property
     def similarities(self) -> np.ndarray:
@@ -155,20 +161,32 @@ def _gather(collectives, array: np.ndarray) -> tuple[np.ndarray, int]:
     return gathered, gathered.nbytes - array.nbytes
 
 
-def _gather_queries(collectives, shard, labels, ids, query_ids):
-    """All queries on every rank, by increasing global id: (vectors, labels, ids, bytes received)."""
+def _gather_queries(collectives, labels, ids, query_ids):
+    """Every query's label and id on every rank, by increasing id: (labels, ids, bytes received).
+
+    The vectors travel later, chunk by chunk (:func:`_chunk_vectors`), so a
+    rank never holds more than one chunk of other ranks' rows.
+    """
     mine = np.ones(ids.size, dtype=bool) if query_ids is None else np.isin(ids, query_ids)
-    vectors, moved_v = _gather(collectives, shard[mine])
     query_labels, moved_l = _gather(collectives, labels[mine])
     found, moved_i = _gather(collectives, ids[mine])
     order = np.argsort(found, kind="stable")
     found = found[order]
     expected = found.size if query_ids is None else query_ids.size
-    if found.size != expected or (found.size > 1 and not (np.diff(found) > 0).all()):
+    repeated = found.size > 1 and not (np.diff(found) > 0).all()
+    if found.size != expected or repeated:
         raise ValueError(f"sharded_retrieval(query_ids=) names {expected} ids but the ranks hold {found.size} of them"
-                         f"{' (some id on two ranks)' if found.size > 1 and not (np.diff(found) > 0).all() else ''}:"
-                         " every query id must be in exactly one rank's ids=")
-    return vectors[order], query_labels[order], found, moved_v + moved_l + moved_i
+                         f"{' (some id on two ranks)' if repeated else ''}: every query id must be in exactly one "
+                         "rank's ids=")
+    return query_labels[order], found, moved_l + moved_i
+
+
+def _chunk_vectors(collectives, shard: np.ndarray, ids: np.ndarray, chunk_ids: np.ndarray) -> tuple[np.ndarray, int]:
+    """The vectors of ``chunk_ids`` (increasing) on every rank: each rank sends the ones it holds."""
+    mine = np.isin(ids, chunk_ids)
+    rows, moved = _gather(collectives, shard[mine])
+    found, moved_i = _gather(collectives, ids[mine])
+    return rows[np.argsort(found, kind="stable")], moved + moved_i
 
 
 def _relevant(collectives, labels: np.ndarray, query_labels: np.ndarray) -> np.ndarray:
@@ -193,14 +211,14 @@ def _chunks(need: np.ndarray, searched: np.ndarray, budget: int, chunk_size: int
         start += rows
 
 
-def _search_chunk(collectives, queries, query_ids, query_labels, shard, labels, ids, k, metric):
-    """One chunk: local exact search, all-gather of the W lists, merge; returns (dist, ids, hits, bytes).
+def _search_chunk(collectives, search: Callable, queries, query_ids, query_labels, labels, ids, k):
+    """One chunk: this rank's search, all-gather of the W lists, merge; returns (dist, ids, hits, bytes).
 
     Each neighbour travels as its distance and ``2 * id + hit``: ordering by
     that code is ordering by id (ids are unique), so the merge keeps the hit
     flag that only the rank holding the item can compute.
     """
-    dist, found = search_shard(queries, query_ids, shard, ids, k, metric=metric)
+    dist, found = search(queries, query_ids, k)
     position = np.minimum(np.searchsorted(ids, found), max(ids.size - 1, 0))
     hit = (found >= 0) & (labels[position] == query_labels[:, None]) if ids.size else np.zeros(found.shape, bool)
     code = np.where(found >= 0, found * 2 + hit, -1)
@@ -219,6 +237,16 @@ def _query_set(value: Any, name: str) -> np.ndarray | None:
     return np.unique(found) if name == "query_ids" else found
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """What one evaluation pass searches: the options every rank agreed on."""
+
+    ks: tuple[int, ...]
+    num_neighbours: int
+    chunk_size: int
+    budget: int
+
+
 def sharded_retrieval(
     embeddings: Any,
     labels: Any,
@@ -229,7 +257,12 @@ def sharded_retrieval(
     metric: str = "cosine",
     neighbour_ids: Any = None,
     num_neighbours: int = 5,
-    chunk_size: int = 4096,
+    index: str = "flat",
+    nlist: int | None = None,
+    nprobe: int = 16,
+    check_queries: int = 2000,
+    seed: int = 0,
+    chunk_size: int | None = None,
     max_neighbours_per_chunk: int = 1 << 22,
     collectives: Any = None,
 ) -> ShardedResult:
@@ -249,48 +282,111 @@ def sharded_retrieval(
         metric: ``"cosine"`` (rows L2-normalised here), ``"ip"`` or ``"l2"`` (squared).
         neighbour_ids: query ids whose top ``num_neighbours`` are returned (a result gallery).
         num_neighbours: neighbours kept per ``neighbour_ids`` entry.
-        chunk_size, max_neighbours_per_chunk: queries per search, and the bound on queries x k per chunk.
+        index: ``"flat"`` (exact, tie-resolving) or ``"ivf"`` (approximate, :mod:`.ivf`; for
+            10⁶ queries and more). An ``"ivf"`` evaluation also searches ``check_queries``
+            sampled queries exactly and reports the gap (``ivf_gap_recall_at_1``, ``ivf_gap_map_at_r``).
+        nlist, nprobe: the IVF's lists (default about 4·√N) and lists probed per query.
+        seed: keys the IVF's training sample, its k-means and the check sample.
+        chunk_size: queries per search (default 4,096 exact, 2¹⁸ IVF); max_neighbours_per_chunk
+            bounds queries x k per chunk.
         collectives: an object with ``rank``, ``size``, ``allgather``, ``allreduce_sum`` and
             ``allgather_numpy`` (the trainer's backend); ``None`` uses :mod:`pksampler.comm`.
 
     Returns:
-        A :class:`ShardedResult`, identical on every rank and for every split of the gallery;
-        with one rank its metrics equal :func:`~.metrics.evaluate_retrieval`'s.
+        A :class:`ShardedResult`, identical on every rank; with ``index="flat"`` the same for every
+        split of the gallery, and with one rank its metrics equal :func:`~.metrics.evaluate_retrieval`'s.
 
     Raises:
         ValueError: bad arguments, ranks that disagree on the options or query ids, a query id
             held by no rank (raised on every rank).
     """
-    ks = _check_options(metric, ks, num_neighbours=num_neighbours, chunk_size=chunk_size,
-                        max_neighbours_per_chunk=max_neighbours_per_chunk)
+    if index not in ("flat", "ivf"):
+        raise ValueError(f"sharded_retrieval(index=) must be 'flat' or 'ivf', got {index!r}")
+    chunk_size = chunk_size if chunk_size is not None else (4096 if index == "flat" else 1 << 18)
+    ks = _check_options(metric, ks, num_neighbours=num_neighbours, chunk_size=chunk_size, nprobe=nprobe,
+                        check_queries=check_queries, max_neighbours_per_chunk=max_neighbours_per_chunk)
+    if nlist is not None:
+        _check_options(metric, ks, nlist=nlist)
     collectives = _Comm() if collectives is None else collectives
     query_ids, neighbour_ids = _query_set(query_ids, "query_ids"), _query_set(neighbour_ids, "neighbour_ids")
     shard, labels, ids = _prepare_shard(embeddings, labels, ids, metric)
     _agree(collectives, query_ids, neighbour_ids, shard.shape[1], ks=ks, metric=metric, num_neighbours=num_neighbours,
-           chunk_size=chunk_size, budget=max_neighbours_per_chunk)
-    queries, query_labels, qids, moved = _gather_queries(collectives, shard, labels, ids, query_ids)
+           chunk_size=chunk_size, budget=max_neighbours_per_chunk, index=index, nlist=nlist, nprobe=nprobe,
+           check=check_queries, seed=seed)
+    plan = _Plan(ks, num_neighbours, chunk_size, max_neighbours_per_chunk)
+    exact = _exact_search(shard, ids, metric)
+    if index == "flat":
+        return _evaluate(collectives, shard, labels, ids, query_ids, neighbour_ids, exact, plan, metric)
+    search, moved = _ivf_search(collectives, shard, ids, metric, nlist=nlist, nprobe=nprobe, seed=seed)
+    result = _evaluate(collectives, shard, labels, ids, query_ids, neighbour_ids, search, plan, metric)
+    return _certified(collectives, result, shard, labels, ids, exact, plan, metric, check_queries, seed, moved)
+
+
+def _exact_search(shard: np.ndarray, ids: np.ndarray, metric: str) -> Callable:
+    return lambda queries, query_ids, k: search_shard(queries, query_ids, shard, ids, k, metric=metric)
+
+
+def _ivf_search(collectives, shard, ids, metric, *, nlist, nprobe, seed) -> tuple[Callable, int]:
+    """This rank's IVF over centroids trained once (rank 0) on a sample gathered from every rank."""
+    total = int(collectives.allreduce_sum(torch.tensor([ids.size], dtype=torch.int64)).item())
+    nlist = default_nlist(total) if nlist is None else min(nlist, max(total, 1))
+    mine = sample_mask(ids, nlist * IVF_POINTS_PER_LIST / max(total, 1), seed=seed)
+    sample, moved = _gather(collectives, shard[mine])
+    sample_ids, moved_i = _gather(collectives, ids[mine])
+    if collectives.rank == 0:
+        centroids = train_centroids(sample[np.argsort(sample_ids)], min(nlist, max(sample.shape[0], 1)),
+                                    metric=metric, seed=seed)
+    else:
+        centroids = np.zeros((0, shard.shape[1]), dtype=np.float32)
+    centroids, moved_c = _gather(collectives, centroids)  # rank 0's rows only: a broadcast
+    index = build_ivf(shard, ids, centroids, metric="l2" if metric == "l2" else "ip", nprobe=nprobe)
+    search = lambda queries, query_ids, k: ivf_search(index, queries, query_ids, k,  # noqa: E731
+                                                      metric="l2" if metric == "l2" else "ip")
+    return search, moved + moved_i + moved_c
+
+
+def _certified(collectives, result, shard, labels, ids, exact, plan, metric, check_queries, seed, moved):
+    """The IVF result with its gap to exact search on a stratified sample of its queries."""
+    sample = result.query_ids[stratified_queries(result.query_labels, check_queries, seed=seed)]
+    checked = _evaluate(collectives, shard, labels, ids, sample, None, exact, plan, metric)
+    metrics = dict(result.metrics)
+    rows = np.searchsorted(result.query_ids, sample)
+    for name in ("recall_at_1", "map_at_r"):
+        approximate = result.per_query[name][rows]
+        approximate = float(np.nanmean(approximate)) if np.isfinite(approximate).any() else float("nan")
+        metrics[f"ivf_gap_{name}"] = approximate - checked.metrics[name]
+    metrics["ivf_check_queries"] = checked.metrics["num_queries"]
+    return dataclasses.replace(result, metrics=metrics,
+                               bytes_received=result.bytes_received + checked.bytes_received + moved)
+
+
+def _evaluate(collectives, shard, labels, ids, query_ids, neighbour_ids, search, plan: _Plan, metric: str):
+    """One pass: queries by R in chunks, each searched on every rank and merged; metrics in query-id order."""
+    query_labels, qids, moved = _gather_queries(collectives, labels, ids, query_ids)
     relevant = _relevant(collectives, labels, query_labels)
     moved += relevant.nbytes * (collectives.size - 1)
     wanted = _wanted_rows(neighbour_ids, qids)
     used = relevant > 0
-    need = np.where(used, np.maximum(max(ks), relevant), 0)
-    need[wanted] = np.maximum(need[wanted], num_neighbours)
-    names = [f"recall_at_{k}" for k in ks] + ["precision_at_1", "r_precision", "map_at_r"]
-    per_query = {name: np.zeros(qids.size, dtype=np.float64) for name in names}
-    shown_ids = np.full((qids.size if wanted.size else 0, num_neighbours), -1, dtype=np.int64)
+    need = np.where(used, np.maximum(max(plan.ks), relevant), 0)
+    need[wanted] = np.maximum(need[wanted], plan.num_neighbours)
+    names = [f"recall_at_{k}" for k in plan.ks] + ["precision_at_1", "r_precision", "map_at_r"]
+    per_query = {name: np.full(qids.size, np.nan) for name in names}
+    shown_ids = np.full((qids.size if wanted.size else 0, plan.num_neighbours), -1, dtype=np.int64)
     shown_dist = np.full(shown_ids.shape, np.inf)
-    for rows in _chunks(need, np.flatnonzero(need > 0), max_neighbours_per_chunk, chunk_size):
+    for rows in _chunks(need, np.flatnonzero(need > 0), plan.budget, plan.chunk_size):
         k = int(need[rows].max())
-        dist, found, hits, bytes_in = _search_chunk(collectives, queries[rows], qids[rows], query_labels[rows],
-                                                    shard, labels, ids, k, metric)
-        moved += bytes_in
+        queries, bytes_in = _chunk_vectors(collectives, shard, ids, qids[rows])
+        dist, found, hits, bytes_out = _search_chunk(collectives, search, queries, qids[rows], query_labels[rows],
+                                                     labels, ids, k)
+        moved += bytes_in + bytes_out
         if shown_ids.size:
-            shown_ids[rows], shown_dist[rows] = _pad(found, num_neighbours, -1), _pad(dist, num_neighbours, np.inf)
+            shown_ids[rows] = _pad(found, plan.num_neighbours, -1)
+            shown_dist[rows] = _pad(dist, plan.num_neighbours, np.inf)
         scored = used[rows]
         width = int(need[rows][scored].max()) if scored.any() else 0
-        _score(per_query, rows[scored], hits[scored, :width], relevant[rows][scored], ks)
-    metrics = _summary(per_query, used, qids.size)
-    return ShardedResult(metrics, qids, qids[wanted], shown_ids[wanted], shown_dist[wanted], metric, int(moved))
+        _score(per_query, rows[scored], hits[scored, :width], relevant[rows][scored], plan.ks)
+    return ShardedResult(_summary(per_query, used, qids.size), qids, qids[wanted], shown_ids[wanted],
+                         shown_dist[wanted], metric, int(moved), query_labels, per_query)
 
 
 def _wanted_rows(neighbour_ids: np.ndarray | None, qids: np.ndarray) -> np.ndarray:
