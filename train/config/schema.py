@@ -233,6 +233,11 @@ class EvalConfig:
 
     # most queries per evaluation (all held-out items up to this; a sample above it)
     queries: int = _rule(100_000, rules.positive_int, resumable=True)
+    # flat: exact search, the same metrics at every world size; ivf: approximate (IVF searched list by list),
+    # for a self-gallery of 10^6 items and more, with its gap to exact search on check_queries sampled queries
+    index: str = _rule("flat", rules.choice(lambda: ("flat", "ivf")), resumable=True)
+    nprobe: int = _rule(16, rules.positive_int, resumable=True)  # ivf: lists probed per query
+    check_queries: int = _rule(2000, rules.positive_int, resumable=True)  # ivf: queries also searched exactly
 
 
 @dataclass(frozen=True)

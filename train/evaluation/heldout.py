@@ -18,7 +18,7 @@ like the training images.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import sys
 
@@ -138,17 +138,20 @@ class HeldOutEvaluator:
 
     The gallery is sharded over the ranks (each keeps the embeddings it
     computed); at most ``queries`` of the held-out items are queries, a fixed
-    class-stratified sample keyed by ``seed`` above that. Unreadable held-out
+    class-stratified sample keyed by ``seed`` above that; ``search`` picks exact
+    or IVF search (:func:`~.sharded.sharded_retrieval`'s ``index``, ``nprobe``,
+    ``check_queries``). Unreadable held-out
     images are left out and counted (``num_unreadable``); more than
     ``max_bad_fraction`` of them is a ConfigError on every rank.
     """
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
                  galleries: Path, gallery_queries: int, queries: int = 100_000, seed: int = 0,
-                 max_bad_fraction: float = 0.001, view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 search: dict[str, Any] | None = None, max_bad_fraction: float = 0.001, view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
         self.galleries, self.gallery_queries = galleries, gallery_queries
         self.queries, self.seed = queries, seed
+        self.search = dict(search or {})  # index / nprobe / check_queries for sharded_retrieval
         self.max_bad_fraction = max_bad_fraction
         self.view = view
         self._reported: set[int] = set()
@@ -175,7 +178,8 @@ class HeldOutEvaluator:
         shown = query_ids[np.unique(np.linspace(0, query_ids.size - 1,
                                                 num=min(self.gallery_queries, query_ids.size)).astype(int))]
         result = sharded_retrieval(local, labels[mine], mine, query_ids=query_ids, ks=(1, 5, 10),
-                                   neighbour_ids=shown, num_neighbours=5, collectives=self.backend)
+                                   neighbour_ids=shown, num_neighbours=5, seed=self.seed, collectives=self.backend,
+                                   **self.search)
         if self.backend.rank != 0:
             return {}
         metrics = {**result.metrics, "num_unreadable": int(len(self.test_set) - readable.size)}

@@ -21,6 +21,8 @@ exact search on a sample of queries (:func:`.sharded.sharded_retrieval`,
 
 from __future__ import annotations
 
+import contextlib
+import io
 from typing import Any
 
 import numpy as np
@@ -29,27 +31,31 @@ from pksampler.train.evaluation.queries import _mix
 
 __all__ = ["IVF_POINTS_PER_LIST", "build_ivf", "default_nlist", "ivf_search", "sample_mask", "train_centroids"]
 
-#: training points per centroid (faiss warns below 39)
-IVF_POINTS_PER_LIST = 64
+#: training points per centroid (faiss's minimum without a warning)
+IVF_POINTS_PER_LIST = 39
 
 
 def default_nlist(total: int) -> int:
-    """About 4·√N lists (the faiss wiki's rule for IVF), at least 1, at most N / 39."""
-    return int(max(1, min(4 * np.sqrt(total), total // 39)))
+    """About √N lists (1,000 at 10⁶: a k-means that takes seconds), at least 1, at most N / 39."""
+    return int(max(1, min(np.sqrt(total), total // 39)))
 
 
 def sample_mask(ids: np.ndarray, fraction: float, *, seed: int) -> np.ndarray:
     """Which of these global ids belong to the training sample: a keyed hash below ``fraction`` of its range."""
-    threshold = np.uint64(min(fraction, 1.0) * float(2**64 - 1))
-    return _mix(ids, seed) <= threshold
+    if fraction >= 1.0:
+        return np.ones(ids.shape, dtype=bool)
+    return _mix(ids, seed) < np.uint64(int(fraction * 2**64))
 
 
 def train_centroids(sample: np.ndarray, nlist: int, *, metric: str, seed: int) -> np.ndarray:
-    """k-means centroids of ``sample`` (spherical for inner products), float32 ``(nlist, d)``."""
+    """k-means centroids of ``sample`` (spherical for inner products), float32 ``(nlist, d)``.
+
+    ``nlist`` shrinks to keep at least :data:`IVF_POINTS_PER_LIST` points per centroid.
+    """
     import faiss
 
-    kmeans = faiss.Kmeans(sample.shape[1], nlist, niter=20, seed=seed, spherical=metric != "l2",
-                          max_points_per_centroid=IVF_POINTS_PER_LIST)
+    nlist = max(1, min(nlist, sample.shape[0] // IVF_POINTS_PER_LIST))
+    kmeans = faiss.Kmeans(sample.shape[1], nlist, niter=20, seed=seed, spherical=metric != "l2")
     kmeans.train(np.ascontiguousarray(sample, dtype=np.float32))
     return np.ascontiguousarray(kmeans.centroids, dtype=np.float32)
 
@@ -81,7 +87,10 @@ def ivf_search(index: Any, queries: np.ndarray, query_ids: np.ndarray, k: int, *
     rows = queries.shape[0]
     if index.ntotal == 0 or rows == 0:
         return np.full((rows, k), np.inf), np.full((rows, k), -1, dtype=np.int64)
-    scores, ids = big_batch_search(index, np.ascontiguousarray(queries, dtype=np.float32), k + 1)
+    # Its progress report prints at every list even with verbose=0 (faiss 1.15's report()), and verbose=1
+    # prints timings instead: the trainer's log stays clean only without its stdout.
+    with contextlib.redirect_stdout(io.StringIO()):
+        scores, ids = big_batch_search(index, np.ascontiguousarray(queries, dtype=np.float32), k + 1)
     ids = ids.astype(np.int64)
     dist = (scores if metric == "l2" else -scores).astype(np.float64)
     dist[(ids < 0) | (ids == query_ids[:, None])] = np.inf

@@ -285,7 +285,7 @@ def sharded_retrieval(
         index: ``"flat"`` (exact, tie-resolving) or ``"ivf"`` (approximate, :mod:`.ivf`; for
             10⁶ queries and more). An ``"ivf"`` evaluation also searches ``check_queries``
             sampled queries exactly and reports the gap (``ivf_gap_recall_at_1``, ``ivf_gap_map_at_r``).
-        nlist, nprobe: the IVF's lists (default about 4·√N) and lists probed per query.
+        nlist, nprobe: the IVF's lists (default about √N) and lists probed per query.
         seed: keys the IVF's training sample, its k-means and the check sample.
         chunk_size: queries per search (default 4,096 exact, 2¹⁸ IVF); max_neighbours_per_chunk
             bounds queries x k per chunk.
@@ -330,12 +330,11 @@ def _ivf_search(collectives, shard, ids, metric, *, nlist, nprobe, seed) -> tupl
     """This rank's IVF over centroids trained once (rank 0) on a sample gathered from every rank."""
     total = int(collectives.allreduce_sum(torch.tensor([ids.size], dtype=torch.int64)).item())
     nlist = default_nlist(total) if nlist is None else min(nlist, max(total, 1))
-    mine = sample_mask(ids, nlist * IVF_POINTS_PER_LIST / max(total, 1), seed=seed)
+    mine = sample_mask(ids, 1.25 * nlist * IVF_POINTS_PER_LIST / max(total, 1), seed=seed)  # 1.25: hash slack
     sample, moved = _gather(collectives, shard[mine])
     sample_ids, moved_i = _gather(collectives, ids[mine])
     if collectives.rank == 0:
-        centroids = train_centroids(sample[np.argsort(sample_ids)], min(nlist, max(sample.shape[0], 1)),
-                                    metric=metric, seed=seed)
+        centroids = train_centroids(sample[np.argsort(sample_ids)], nlist, metric=metric, seed=seed)
     else:
         centroids = np.zeros((0, shard.shape[1]), dtype=np.float32)
     centroids, moved_c = _gather(collectives, centroids)  # rank 0's rows only: a broadcast
