@@ -30,6 +30,9 @@ from pksampler.train.evaluation.metrics import _TIE_MARGIN, _exact_distances, _r
 
 __all__ = ["merge_topk", "search_shard"]
 
+#: query rows whose candidates' exact distances are computed at once
+_EXACT_ROWS = 512
+
 
 def _faiss_knn(queries: np.ndarray, shard: np.ndarray, fetch: int, metric: str) -> tuple[np.ndarray, np.ndarray]:
     """faiss's brute-force k-NN without an index (an index would copy the shard)."""
@@ -48,7 +51,11 @@ def _search_rows(queries: np.ndarray, shard: np.ndarray, self_local: np.ndarray,
     faiss_dist, ids = _faiss_knn(queries, shard, fetch, metric)
     is_self = ids == self_local[:, None]
     faiss_dist = np.sort(np.where(is_self, np.inf, faiss_dist), axis=1)
-    exact = np.where(is_self, np.inf, _exact_distances(queries, shard[ids], metric))
+    exact = np.empty(ids.shape)
+    for start in range(0, rows, _EXACT_ROWS):  # bounded float64 temporaries, whatever the chunk
+        part = slice(start, start + _EXACT_ROWS)
+        exact[part] = _exact_distances(queries[part], shard[ids[part]], metric)
+    exact[is_self] = np.inf
     order = np.lexsort((ids, exact), axis=1)
     exact, ids = np.take_along_axis(exact, order, axis=1), np.take_along_axis(ids, order, axis=1)
     keep = min(k, fetch)
