@@ -111,8 +111,8 @@ def _prepare_shard(embeddings: Any, labels: Any, ids: Any, metric: str):
             row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
             raise ValueError(f"sharded_retrieval(embeddings=) contains NaN or Inf (first in row {row})")
     count = shard.shape[0]
-    labels = as_numpy(labels, name="sharded_retrieval(labels=)", kinds="iu", ndim=1).astype(np.int64)
-    ids = as_numpy(ids, name="sharded_retrieval(ids=)", kinds="iu", ndim=1).astype(np.int64)
+    labels = as_numpy(labels, name="sharded_retrieval(labels=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
+    ids = as_numpy(ids, name="sharded_retrieval(ids=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
     for name, value in (("labels", labels), ("ids", ids)):
         if value.size != count:
             raise ValueError(f"sharded_retrieval({name}=) must hold one value per row of embeddings= ({count}), "
@@ -233,7 +233,7 @@ def _search_chunk(collectives, search: Callable, queries, query_ids, query_label
 def _query_set(value: Any, name: str) -> np.ndarray | None:
     if value is None:
         return None
-    found = as_numpy(value, name=f"sharded_retrieval({name}=)", kinds="iu", ndim=1).astype(np.int64)
+    found = as_numpy(value, name=f"sharded_retrieval({name}=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
     return np.unique(found) if name == "query_ids" else found
 
 
