@@ -213,7 +213,8 @@ class TrainConfig:
     progress_every_seconds: float = _rule(30.0, rules.positive_finite, resumable=True)
     tensorboard: bool | None = _rule(None, None, resumable=True)  # None: on when the tensorboard package is installed
     # torchrun: seconds a collective waits for the other ranks before the job ends naming the rank that
-    # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
+    # stopped; longer than anything rank 0 does alone (a checkpoint write, the result gallery): the held-out
+    # search runs on every rank at once (docs/evaluation.md)
     collective_timeout: float = _rule(300.0, rules.closed_interval(1.0, 7 * 86400.0), resumable=True)
     # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
     # (Horovod tensor fusion off, deterministic torch kernels; see train/runtime/device.py).
