@@ -189,7 +189,8 @@ def main() -> None:
         return
     args = parser.parse_args()
     if args.num % args.per_class or BLOCK % args.per_class:
-        sys.exit(f"--num and {BLOCK} must be multiples of --per-class, got --num {args.num} --per-class {args.per_class}")
+        sys.exit(f"--num and {BLOCK} must be multiples of --per-class, got --num {args.num} "
+                 f"--per-class {args.per_class}")
     if args.ivf:
         report_ivf(args, launch_ranks(args))
         return

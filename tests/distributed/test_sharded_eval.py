@@ -3,7 +3,9 @@
 One launch per launcher checks: every rank gets the same metrics and
 neighbours, equal to one process's evaluate_retrieval over the whole
 gallery; the sampled-query evaluation equals the one-process (W = 1)
-sharded run; the IVF mode agrees on every rank and stays near exact; ranks passing different query ids fail on every rank, no hang.
+sharded run; the IVF mode agrees on every rank and stays near exact; ranks
+passing different query ids fail on every rank, no hang. Then the trainer
+under torchrun with a collective timeout the old rank-0 search overran.
 """
 
 from __future__ import annotations

@@ -186,3 +186,11 @@ def test_the_ivf_mode_is_close_to_exact_and_reports_its_own_gap_on_an_exact_samp
         assert metrics["ivf_check_queries"] > 250 and abs(metrics["ivf_gap_recall_at_1"]) < 0.05
     every_list = run_ranks(2, x, labels, index="ivf", nlist=8, nprobe=8, check_queries=10_000)[0].metrics
     assert every_list["ivf_gap_recall_at_1"] == 0.0 and every_list["ivf_gap_map_at_r"] == 0.0
+
+
+def test_a_launched_rank_without_a_runtime_is_told_to_start_one(monkeypatch):
+    x, labels = clustered(seed=3, classes=6)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"launcher started 2 ranks but neither Horovod nor torch.distributed"):
+        sharded_retrieval(x, labels, np.arange(labels.size))

@@ -147,7 +147,8 @@ class HeldOutEvaluator:
 
     def __init__(self, model: torch.nn.Module, dataset, test_set: LabelledSubset, backend: Backend, *,
                  galleries: Path, gallery_queries: int, queries: int = 100_000, seed: int = 0,
-                 search: dict[str, Any] | None = None, max_bad_fraction: float = 0.001, view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 search: dict[str, Any] | None = None, max_bad_fraction: float = 0.001,
+                 view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.model, self.dataset, self.test_set, self.backend = model, dataset, test_set, backend
         self.galleries, self.gallery_queries = galleries, gallery_queries
         self.queries, self.seed = queries, seed

@@ -41,7 +41,8 @@ import torch
 from pksampler import comm
 from pksampler.arrays import as_numpy
 from pksampler.train.evaluation.metrics import METRICS, _check_options, _score
-from pksampler.train.evaluation.ivf import IVF_POINTS_PER_LIST, build_ivf, default_nlist, ivf_search, sample_mask, train_centroids
+from pksampler.train.evaluation.ivf import (IVF_POINTS_PER_LIST, build_ivf, default_nlist, ivf_search, sample_mask,
+                                             train_centroids)
 from pksampler.train.evaluation.queries import recall_standard_error, stratified_queries
 from pksampler.train.evaluation.shard_search import merge_topk, search_shard
 
@@ -91,6 +92,10 @@ class _Comm:
 
     def __init__(self) -> None:
         self.rank, self.size = comm.world_info()
+        if self.size > 1 and comm.initialised_horovod() is None and comm.initialised_torch_distributed() is None:
+            raise RuntimeError(f"sharded_retrieval: the launcher started {self.size} ranks but neither Horovod nor "
+                               "torch.distributed is initialised here; call hvd.init() or "
+                               "torch.distributed.init_process_group() first (or pass collectives=)")
 
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         return comm.all_gather(tensor)
