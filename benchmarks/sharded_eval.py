@@ -18,7 +18,7 @@ In this one run:
 1. **reference**: the whole gallery built in this process, one bare
    ``faiss.knn`` of the queries over it for the k that MAP@R needs
    (``--np`` faiss threads: the cores the ranks get);
-2. **W = 1**: :func:`sharded_retrieval` in this process over the same array;
+2. **W = 1**: :func:`sharded_retrieval` in this process over the same array (one faiss thread);
 3. **W = np**: ``torchrun --nproc-per-node np`` ranks (gloo, one thread
    each), each generating and searching its share.
 
@@ -112,11 +112,13 @@ def rank_main(args: argparse.Namespace) -> None:
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(hours=2))
     rank, size = dist.get_rank(), dist.get_world_size()
-    x, ids = shard(rank, size, num=args.num, dim=args.dim, per_class=args.per_class, seed=args.seed)
+    # The query sample first: drawing it over 10^7 global labels takes ~0.4 GiB for a moment, which must
+    # not stack on the resident shard.
     if args.ivf:  # the self-gallery protocol: every item a query, checked exactly on a sample
         options = {"index": "ivf", "nprobe": args.nprobe, "check_queries": args.queries}
     else:
         options = {"query_ids": query_ids(args.num, args.per_class, args.queries)}
+    x, ids = shard(rank, size, num=args.num, dim=args.dim, per_class=args.per_class, seed=args.seed)
     dist.barrier()
     start = time.perf_counter()
     result = sharded_retrieval(x, ids // args.per_class, ids, metric="ip", **options)
@@ -132,10 +134,10 @@ def reference_and_w1(args: argparse.Namespace) -> dict:
 
     from pksampler.train.evaluation import sharded_retrieval
 
-    x, ids = shard(0, 1, num=args.num, dim=args.dim, per_class=args.per_class, seed=args.seed)
     queries = query_ids(args.num, args.per_class, args.queries)
+    x, ids = shard(0, 1, num=args.num, dim=args.dim, per_class=args.per_class, seed=args.seed)
     k = max(10, args.per_class - 1)
-    faiss.omp_set_num_threads(args.np)
+    faiss.omp_set_num_threads(args.bare_threads or args.np)
     faiss.knn(x[queries[:64]], x[:BLOCK], k + 1, metric=faiss.METRIC_INNER_PRODUCT)  # warm-up: BLAS, threads
     start = time.perf_counter()
     faiss.knn(x[queries], x, k + 1, metric=faiss.METRIC_INNER_PRODUCT)
@@ -184,6 +186,8 @@ def main() -> None:
     parser.add_argument("--ivf", action="store_true",
                         help="the approximate mode on a self-gallery (every item a query); --queries: its exact check")
     parser.add_argument("--nprobe", type=int, default=16)
+    parser.add_argument("--bare-threads", type=int, default=None,
+                        help="faiss threads of the reference search and the W = 1 run (default: --np)")
     if "SHARDED_EVAL_RANK_ARGS" in os.environ:
         rank_main(argparse.Namespace(**json.loads(os.environ["SHARDED_EVAL_RANK_ARGS"])))
         return
@@ -200,8 +204,8 @@ def main() -> None:
     q, d, w, k = args.queries, args.dim, args.np, here["k"]
     print(f"gallery {args.num:,} x {d} fp32 ({args.num * d * 4 / 2**30:.2f} GiB), {q:,} queries, "
           f"{args.num // args.per_class:,} classes of {args.per_class}; k = {k}")
-    print(f"bare faiss.knn, whole gallery, {w} threads: {here['bare_s']:.1f} s")
-    print(f"sharded_retrieval, W = 1 (one process):    {here['w1_s']:.1f} s")
+    print(f"bare faiss.knn, whole gallery, {args.bare_threads or w} threads: {here['bare_s']:.1f} s")
+    print(f"sharded_retrieval, W = 1 (one process, 1 thread): {here['w1_s']:.1f} s")
     print(f"sharded_retrieval, W = {w} (torchrun ranks): {wall:.1f} s = {wall / here['bare_s']:.2f}x the bare search")
     for rank in ranks:
         print(f"  rank {rank['rank']}: {rank['wall_s']:.1f} s, peak RSS {rank['peak_rss_gib']:.2f} GiB "
