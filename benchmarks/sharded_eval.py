@@ -186,6 +186,8 @@ def main() -> None:
     parser.add_argument("--ivf", action="store_true",
                         help="the approximate mode on a self-gallery (every item a query); --queries: its exact check")
     parser.add_argument("--nprobe", type=int, default=16)
+    parser.add_argument("--ranks-only", action="store_true",
+                        help="only the W = --np ranks (their memory and time), without the two references")
     parser.add_argument("--bare-threads", type=int, default=None,
                         help="faiss threads of the reference search and the W = 1 run (default: --np)")
     if "SHARDED_EVAL_RANK_ARGS" in os.environ:
@@ -197,6 +199,11 @@ def main() -> None:
                  f"--per-class {args.per_class}")
     if args.ivf:
         report_ivf(args, launch_ranks(args))
+        return
+    if args.ranks_only:
+        for rank in launch_ranks(args):
+            print(f"rank {rank['rank']}: {rank['wall_s']:.1f} s, peak RSS {rank['peak_rss_gib']:.2f} GiB, "
+                  f"received {rank['bytes'] / 1e6:.1f} MB, Recall@1 {rank['metrics']['recall_at_1']:.4f}")
         return
     here = reference_and_w1(args)
     ranks = launch_ranks(args)
