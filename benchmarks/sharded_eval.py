@@ -123,8 +123,9 @@ def rank_main(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     result = sharded_retrieval(x, ids // args.per_class, ids, metric="ip", **options)
     wall = time.perf_counter() - start
-    print("RANK " + json.dumps({"rank": rank, "wall_s": wall, "peak_rss_gib": peak_rss_gib(),
-                                "bytes": result.bytes_received, "metrics": result.metrics}), flush=True)
+    line = "RANK " + json.dumps({"rank": rank, "wall_s": wall, "peak_rss_gib": peak_rss_gib(),
+                                 "bytes": result.bytes_received, "metrics": result.metrics})
+    os.write(1, (line + "\n").encode())  # one write: the ranks share the launcher's pipe
     dist.destroy_process_group()
 
 
