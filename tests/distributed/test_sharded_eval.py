@@ -79,7 +79,7 @@ LOW_TIMEOUT = {
     "model": {"width": 4, "depth": [1, 1], "embedding_dim": 16, "norm": "group"},
     "loss": {"name": "batch_hard"}, "optim": {"lr": 0.003, "base_batch": 400},
     "train": {"epochs": 1, "eval_every": 1, "checkpoint_every": 0, "gallery_queries": 3, "tensorboard": False,
-              "collective_timeout": 3},
+              "collective_timeout": 5},
     "eval": {"queries": 400},
 }
 
