@@ -1,4 +1,4 @@
-"""Gallery-sharded exact retrieval evaluation: each rank searches its own share, no rank holds the gallery.
+"""Gallery-sharded retrieval evaluation: each rank searches its own share, no rank holds the gallery.
 
 :func:`sharded_retrieval` is the public entry point, for the trainer and for
 users' own loops (pytorch-metric-learning, OML or plain torch): every rank
@@ -6,21 +6,22 @@ passes its share of the embeddings with their labels and global ids, and
 every rank gets the same metrics, under Horovod, torch.distributed or one
 process.
 
-1. The queries (a set of global ids, the same on every rank; default every
-   item) travel to every rank: each rank all-gathers the query rows it holds.
-   Q·d·4 bytes per rank.
+1. The query ids and labels (every item, or a given set of global ids) are
+   all-gathered; the query vectors travel chunk by chunk, each rank sending
+   the ones it holds: Q·d·4·(W−1)/W bytes per rank in all.
 2. R per query (its class's size over the whole gallery, minus itself) is an
    all-reduce of each rank's counts.
 3. Queries are taken in chunks ordered by R, so a chunk asks for about the k
-   it needs. Each rank searches its shard exactly (:func:`.shard_search.search_shard`),
-   the W top-k lists are all-gathered (float64 distance and int64 id+hit:
-   16 bytes per neighbour) and merged on (distance, global id).
+   it needs. Each rank searches its shard exactly (:func:`.shard_search.search_shard`)
+   or with its IVF (:mod:`.ivf`), the W top-k lists are all-gathered (float64
+   distance and int64 id+hit: 16 bytes per neighbour) and merged on
+   (distance, global id).
 4. Every rank scores the merged lists the same way, so the metrics agree bit
-   for bit, and they do not depend on W (the merge is a total order).
+   for bit, and (exact search) they do not depend on W: the merge is a total order.
 
-Memory per rank is the shard (N/W · d · 4 bytes), the queries and one
-chunk's lists. Every rank works during the search, so a collective timeout
-only fires on a real stall.
+Memory per rank is the shard (N/W · d · 4 bytes), one chunk of queries and
+one chunk's lists. Every rank works during the search, so a collective
+timeout only fires on a real stall.
 
 Example::
 
@@ -40,7 +41,7 @@ import torch
 
 from pksampler import comm
 from pksampler.arrays import as_numpy
-from pksampler.train.evaluation.metrics import METRICS, _check_options, _score
+from pksampler.train.evaluation.metrics import _check_options, _score
 from pksampler.train.evaluation.ivf import (IVF_POINTS_PER_LIST, build_ivf, default_nlist, ivf_search, sample_mask,
                                              train_centroids)
 from pksampler.train.evaluation.queries import recall_standard_error, stratified_queries
