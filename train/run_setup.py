@@ -269,7 +269,9 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     is_main: MainRank = (lambda: backend.rank == 0) if elastic else backend.rank == 0
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
-                                 gallery_queries=config.train.gallery_queries,
+                                 gallery_queries=config.train.gallery_queries, queries=config.eval.queries,
+                                 seed=config.seed, search={"index": config.eval.index, "nprobe": config.eval.nprobe,
+                                                           "check_queries": config.eval.check_queries},
                                  max_bad_fraction=config.data.max_bad_fraction, view=data.view)
     hooks: list[HookBase] = []
     main_only = _main_only_hooks(is_main)

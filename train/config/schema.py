@@ -38,6 +38,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "DistributedConfig",
+    "EvalConfig",
     "HeadConfig",
     "LossConfig",
     "ModelConfig",
@@ -212,13 +213,32 @@ class TrainConfig:
     progress_every_seconds: float = _rule(30.0, rules.positive_finite, resumable=True)
     tensorboard: bool | None = _rule(None, None, resumable=True)  # None: on when the tensorboard package is installed
     # torchrun: seconds a collective waits for the other ranks before the job ends naming the rank that
-    # stopped; longer than anything rank 0 does alone (evaluation, a checkpoint write)
+    # stopped; longer than anything rank 0 does alone (a checkpoint write, the result gallery): the held-out
+    # search runs on every rank at once (docs/evaluation.md)
     collective_timeout: float = _rule(300.0, rules.closed_interval(1.0, 7 * 86400.0), resumable=True)
     # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
     # (Horovod tensor fusion off, deterministic torch kernels; see train/runtime/device.py).
     deterministic: bool = _rule(False, rules.boolean, resumable=True)
     # Horovod elastic: in-memory commit every N global steps and at every checkpoint (train/engine/elastic.py)
     commit_every: int = _rule(10, rules.positive_int, resumable=True)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The held-out evaluation (train/evaluation/sharded.py): the gallery stays whole and spread over the ranks.
+
+    Every held-out item is a query up to ``queries`` of them; above it a
+    fixed class-stratified sample of that size, the same at every world size
+    and every evaluation. Recall@1 is reported with its standard error.
+    """
+
+    # most queries per evaluation (all held-out items up to this; a sample above it)
+    queries: int = _rule(100_000, rules.positive_int, resumable=True)
+    # flat: exact search, the same metrics at every world size; ivf: approximate (IVF searched list by list),
+    # for a self-gallery of 10^6 items and more, with its gap to exact search on check_queries sampled queries
+    index: str = _rule("flat", rules.choice(lambda: ("flat", "ivf")), resumable=True)
+    nprobe: int = _rule(16, rules.positive_int, resumable=True)  # ivf: lists probed per query
+    check_queries: int = _rule(2000, rules.positive_int, resumable=True)  # ivf: queries also searched exactly
 
 
 @dataclass(frozen=True)
@@ -237,6 +257,7 @@ class RunConfig:
     head: HeadConfig = field(default_factory=HeadConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def to_dict(self) -> dict[str, Any]:

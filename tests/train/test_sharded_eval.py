@@ -1,0 +1,196 @@
+"""Gallery-sharded evaluation in one process: W ranks as threads, the metrics the same at every W.
+
+Each "rank" is a thread calling :func:`sharded_retrieval` with its share of
+the gallery; their collectives meet at a barrier. The same checks run under
+real launchers in tests/distributed/test_sharded_eval.py.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from pksampler.train.evaluation import evaluate_retrieval, sharded_retrieval, stratified_queries
+from pksampler.train.evaluation.shard_search import merge_topk, search_shard
+
+
+class _Group:
+    """What every thread-rank put in, once all of them did (a barrier on both sides)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=120)
+        self.slots: list = [None] * size
+
+    def exchange(self, rank: int, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()
+        return values
+
+
+class ThreadRank:
+    """The collectives sharded_retrieval uses, between threads."""
+
+    def __init__(self, group: _Group, rank: int) -> None:
+        self.group, self.rank, self.size = group, rank, group.size
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.group.exchange(self.rank, tensor.clone()))
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return torch.stack(self.group.exchange(self.rank, tensor.clone())).sum(dim=0)
+
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
+        return np.stack(self.group.exchange(self.rank, np.asarray(row).copy()))
+
+
+def run_ranks(world: int, embeddings: np.ndarray, labels: np.ndarray, *, seed: int = 0, per_rank=None, **options):
+    """``sharded_retrieval`` on ``world`` thread-ranks, each holding a random share (global id = row)."""
+    owner = np.random.default_rng(seed).integers(0, world, size=labels.size)
+    group = _Group(world)
+
+    def rank_call(rank: int):
+        mine = np.flatnonzero(owner == rank)[::-1]  # any order: the function sorts by id
+        extra = {} if per_rank is None else per_rank(rank)
+        return sharded_retrieval(embeddings[mine], labels[mine], mine, collectives=ThreadRank(group, rank),
+                                 **options, **extra)
+
+    with ThreadPoolExecutor(world) as pool:
+        return [future.result() for future in [pool.submit(rank_call, rank) for rank in range(world)]]
+
+
+def clustered(seed: int = 0, classes: int = 30, dim: int = 12) -> tuple[np.ndarray, np.ndarray]:
+    """Classes of 1 to 40 items around their centres, with some exact duplicates (ties)."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 40, size=classes)
+    labels = np.repeat(np.arange(classes) * 7 + 3, sizes)
+    centres = rng.normal(size=(classes, dim))
+    x = centres[np.repeat(np.arange(classes), sizes)] + 0.9 * rng.normal(size=(labels.size, dim))
+    copies = rng.choice(labels.size, size=labels.size // 10, replace=False)
+    x[copies] = x[rng.choice(labels.size, size=copies.size)]
+    return x.astype(np.float32), labels
+
+
+def same_result(a, b) -> None:
+    assert a.metrics == b.metrics
+    np.testing.assert_array_equal(a.query_ids, b.query_ids)
+    np.testing.assert_array_equal(a.neighbours, b.neighbours)
+    np.testing.assert_array_equal(a.distances, b.distances)
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2"])
+def test_metrics_are_bit_identical_at_w_1_2_3_and_equal_evaluate_retrieval(metric):
+    x, labels = clustered()
+    shown = np.array([0, 17, 100, labels.size - 1])
+    results = {w: run_ranks(w, x, labels, metric=metric, neighbour_ids=shown, num_neighbours=6,
+                            max_neighbours_per_chunk=400) for w in (1, 2, 3)}
+    reference = evaluate_retrieval(x, labels, metric=metric, neighbour_rows=shown, num_neighbours=6)
+    first = results[1][0]
+    for w, ranks in results.items():
+        for result in ranks:  # every rank of every W: the same result
+            same_result(result, first)
+    assert {k: first.metrics[k] for k in reference.metrics} == reference.metrics
+    np.testing.assert_array_equal(first.neighbours, reference.neighbours)
+    assert first.metrics["num_excluded"] > 0  # singleton classes have no relevant item
+    assert 0 < first.metrics["recall_at_1_se"] < 0.05
+    assert first.bytes_received == 0 and results[2][0].bytes_received > 0
+
+
+def test_a_collapsed_model_ties_everywhere_and_ranks_by_global_id_at_every_w():
+    labels = np.repeat(np.arange(20), 15)
+    x = np.ones((labels.size, 8), dtype=np.float32)
+    reference = evaluate_retrieval(x, labels, neighbour_rows=[5], num_neighbours=4)
+    for w in (1, 2, 3):
+        result = run_ranks(w, x, labels, neighbour_ids=[5], num_neighbours=4, seed=w)[0]
+        assert {k: result.metrics[k] for k in reference.metrics} == reference.metrics
+        assert result.neighbours.tolist() == [[0, 1, 2, 3]] == reference.neighbours.tolist()
+
+
+def test_sampled_queries_are_stratified_the_same_at_every_w_and_reported_with_their_standard_error():
+    x, labels = clustered(seed=1, classes=40)
+    queries = stratified_queries(labels, 150, seed=4)
+    assert queries.size == 150 and np.array_equal(queries, stratified_queries(labels, 150, seed=4))
+    assert not np.array_equal(queries, stratified_queries(labels, 150, seed=5))
+    classes, sizes = np.unique(labels, return_counts=True)
+    taken = np.array([(labels[queries] == c).sum() for c in classes])
+    share = 150 * sizes / labels.size
+    assert ((taken >= np.floor(share)) & (taken <= np.ceil(share))).all()
+    assert np.array_equal(stratified_queries(labels, labels.size, seed=4), np.arange(labels.size))
+    results = [run_ranks(w, x, labels, query_ids=queries, seed=w)[w - 1] for w in (1, 2, 3)]
+    for result in results[1:]:
+        same_result(result, results[0])
+    np.testing.assert_array_equal(results[0].query_ids, queries)
+    p, q = results[0].metrics["recall_at_1"], results[0].metrics["num_queries"]
+    assert results[0].metrics["recall_at_1_se"] == pytest.approx(np.sqrt(p * (1 - p) / q))
+
+
+def test_shard_lists_merge_to_the_whole_gallery_list():
+    """The pure halves: search_shard per shard, then merge_topk, equal one search over the whole gallery."""
+    x, labels = clustered(seed=2)
+    ids = np.arange(labels.size)
+    whole = search_shard(x, ids, x, ids, 9, metric="l2")
+    for w in (2, 3):
+        parts = [search_shard(x, ids, x[ids % w == r], ids[ids % w == r], 9, metric="l2") for r in range(w)]
+        merged = merge_topk([p[0] for p in parts], [p[1] for p in parts], 9)
+        np.testing.assert_array_equal(merged[1], whole[1])
+        np.testing.assert_array_equal(merged[0], whole[0])
+
+
+def rank_errors(world: int, x: np.ndarray, labels: np.ndarray, per_rank) -> list[str]:
+    """Each thread-rank's error message (every rank must raise, none may hang)."""
+    def call(rank: int):
+        try:
+            owner = np.random.default_rng(0).integers(0, world, size=labels.size)
+            mine = np.flatnonzero(owner == rank)
+            sharded_retrieval(x[mine], labels[mine], mine, collectives=ThreadRank(group, rank), **per_rank(rank))
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    group = _Group(world)
+    with ThreadPoolExecutor(world) as pool:
+        return [future.result() for future in [pool.submit(call, rank) for rank in range(world)]]
+
+
+def test_ranks_that_disagree_or_lose_a_query_fail_on_every_rank_naming_it():
+    x, labels = clustered(seed=3, classes=6)
+    for message in rank_errors(2, x, labels, lambda rank: {"query_ids": [rank, 3]}):
+        assert "the ranks passed different query_ids" in message
+    for message in rank_errors(3, x, labels, lambda rank: {"query_ids": [0, labels.size + 5]}):
+        assert "query_ids=) names 2 ids but the ranks hold 1 of them" in message
+    with pytest.raises(ValueError, match=r"sharded_retrieval\(labels=\) must hold one value per row"):
+        sharded_retrieval(x, labels[:-1], np.arange(labels.size))
+    with pytest.raises(ValueError, match=r"sharded_retrieval\(ids=\) must be unique"):
+        sharded_retrieval(x[:3], labels[:3], [4, 4, 5])
+    with pytest.raises(ValueError, match=r"metric=\) must be one of"):
+        sharded_retrieval(x, labels, np.arange(labels.size), metric="hamming")
+    with pytest.raises(ValueError, match=r"neighbour_ids=\) must be query ids; \[7\] are not"):
+        sharded_retrieval(x, labels, np.arange(labels.size), query_ids=[1, 2], neighbour_ids=[7])
+
+
+def test_the_ivf_mode_is_close_to_exact_and_reports_its_own_gap_on_an_exact_sample():
+    x, labels = clustered(seed=6, classes=60, dim=16)
+    exact = run_ranks(1, x, labels)[0]
+    for w in (1, 2):
+        approx = run_ranks(w, x, labels, index="ivf", nlist=8, nprobe=3, check_queries=300, seed=w)
+        assert all(r.metrics == approx[0].metrics for r in approx)
+        metrics = approx[0].metrics
+        assert abs(metrics["recall_at_1"] - exact.metrics["recall_at_1"]) < 0.03
+        assert abs(metrics["map_at_r"] - exact.metrics["map_at_r"]) < 0.03
+        assert metrics["ivf_check_queries"] > 250 and abs(metrics["ivf_gap_recall_at_1"]) < 0.05
+    every_list = run_ranks(2, x, labels, index="ivf", nlist=8, nprobe=8, check_queries=10_000)[0].metrics
+    assert every_list["ivf_gap_recall_at_1"] == 0.0 and every_list["ivf_gap_map_at_r"] == 0.0
+
+
+def test_a_launched_rank_without_a_runtime_is_told_to_start_one(monkeypatch):
+    x, labels = clustered(seed=3, classes=6)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match=r"launcher started 2 ranks but neither Horovod nor torch.distributed"):
+        sharded_retrieval(x, labels, np.arange(labels.size))
