@@ -222,11 +222,16 @@ class ObjectStore:
 
         self._request(name, lambda: obstore.put(self._client(), self.key(name), data))
 
+    def identity(self) -> str:
+        """The endpoint and URL of this store (no secret): what keys node-local copies of its objects."""
+        environ = os.environ if self._environ is None else self._environ
+        return f"{environ.get('AWS_ENDPOINT_URL', '')}|{self.url}"
+
     def cache_folder(self) -> Path:
         """Node-local folder for the pack's small files: ``$PKSAMPLER_CACHE`` (or ~/.cache/pksampler)/objectstore/."""
         base = Path(os.environ.get("PKSAMPLER_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or
                                                                 Path.home() / ".cache") / "pksampler")
-        digest = hashlib.sha256(f"{os.environ.get('AWS_ENDPOINT_URL', '')}|{self.url}".encode()).hexdigest()[:16]
+        digest = hashlib.sha256(self.identity().encode()).hexdigest()[:16]
         return base / "objectstore" / f"{self.bucket}-{digest}"
 
     def fetch(self, name: str, folder: Path) -> Path:

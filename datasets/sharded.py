@@ -243,8 +243,10 @@ class ShardedDataset(LabelledDataset):
         block_bytes = parse_bytes(block_size, name="ShardedDataset(block_size=)", least=64 << 10)
         limit_bytes = parse_bytes(limit, name="ShardedDataset(block_cache=)", least=2 * block_bytes)
         folder = Path(cache_dir) if cache_dir is not None else self.store.cache_folder() / "blocks"
-        self._shard_versions = [hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:12]
-                                for entry in self.manifest["shards"]]
+        # A block's name carries the store (endpoint, bucket, prefix) and the shard's manifest entry: two packs
+        # in one cache_dir, or a shard packed again under its old name, never share a block.
+        self._shard_versions = [hashlib.sha256(f"{self.store.identity()}|{json.dumps(entry, sort_keys=True)}"
+                                               .encode()).hexdigest()[:12] for entry in self.manifest["shards"]]
         return BlockCache(folder, limit_bytes=limit_bytes, block_bytes=block_bytes)
 
     def _remote_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[bytes]:
