@@ -212,9 +212,11 @@ class BlockCache:
         if not self._warned:
             self._warned = True
             reason = errno.errorcode.get(error.errno or 0, type(error).__name__)
-            warnings.warn(f"block cache {self.folder}: {reason}: {error.strerror or error}; serving blocks uncached "
-                          "until it can take them (move it with data.args.cache_dir / ShardedDataset(cache_dir=), "
-                          "or free room)", RuntimeWarning, stacklevel=4)
+            remedy = ("deleted while in use: created again" if error.errno == errno.ENOENT else
+                      "free room, or move it")
+            warnings.warn(f"block cache {self.folder} (data.args.cache_dir, ShardedDataset(cache_dir=)): {reason}: "
+                          f"{error.strerror or error}; serving blocks uncached while it cannot take them ({remedy})",
+                          RuntimeWarning, stacklevel=4)
         with contextlib.suppress(OSError):
             self._prepare()
 

@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -126,3 +128,20 @@ def test_two_packs_in_one_cache_dir_never_share_blocks(local_pack, seaweed, tmp_
         want = [hashlib.sha256((copy / remote.shard_names[int(r["shard"])]).read_bytes()
                                [int(r["offset"]):int(r["offset"]) + int(r["size"])]).digest() for r in remote.index]
         assert [hashlib.sha256(data).digest() for data in every_sample(remote)] == want, f"pack {name}"
+
+
+def test_a_full_read_only_or_vanished_cache_folder_serves_uncached_with_one_warning(local_pack, remote_pack,
+                                                                                       seaweed, tmp_path):
+    # ENOSPC, EROFS and a folder deleted mid-run were tracebacks on every rank. Real tmpfs mounts, in a mount
+    # namespace of the child's own (unshare -rm: no root needed, nothing left mounted).
+    script = os.path.join(os.path.dirname(__file__), "cache_faults.py")
+    done = subprocess.run(["unshare", "-rm", sys.executable, script, str(local_pack), remote_pack, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, **seaweed.environment()})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, errno_name in (("full", "ENOSPC"), ("readonly", "EROFS"), ("vanished", "ENOENT")):
+        outcome = report[case]
+        assert outcome["same"], case
+        assert len(outcome["warnings"]) == 1, (case, outcome["warnings"])
+        assert errno_name in outcome["warnings"][0] and "data.args.cache_dir" in outcome["warnings"][0], outcome
+    assert report["vanished"]["locks_again"]  # what was deleted is there again
