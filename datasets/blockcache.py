@@ -121,25 +121,26 @@ class BlockCache:
         return f"BlockCache({str(self.root)!r}, limit_bytes={self.limit_bytes}, block_bytes={self.block_bytes})"
 
     def read(self, store: Any, name: str, version: str, object_bytes: int,
-             ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+             ranges: Sequence[tuple[int, int]], *, etag: str | None = None) -> list[bytes]:
         """The bytes ``[start, end)`` of each range of object ``name`` (``object_bytes`` long), through the cache.
 
-        ``store.get_ranges(name, ranges)`` fetches the missing blocks (adjacent ones in one GET);
-        ``version`` is a short string that changes when the object does (a digest of its manifest entry).
+        ``store.get_ranges(name, ranges, etag=etag)`` fetches the missing blocks (adjacent ones in one GET, each
+        carrying ``If-Match: etag`` when given); ``version`` is a short hex string that changes when the object
+        does (a digest of the store, its manifest entry and its ETag).
         """
         for start, end in ranges:
             if not 0 <= start <= end <= object_bytes:
                 raise ValueError(f"{name}: byte range [{start}, {end}) outside the object's {object_bytes} bytes")
         for _ in range(3):
             try:
-                return self._read_once(store, name, version, object_bytes, ranges)
+                return self._read_once(store, name, version, object_bytes, ranges, etag)
             except _Evicted:  # another process needed the room between our check and our read: check again
                 continue
         raise OSError(f"{self.folder}: blocks of {name} were evicted while being read three times in a row; the "
                       f"cache's limit ({self.limit_bytes} bytes) is below the host's working set: raise it")
 
     def _read_once(self, store: Any, name: str, version: str, object_bytes: int,
-                   ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+                   ranges: Sequence[tuple[int, int]], etag: str | None) -> list[bytes]:
         first_last = [(start // self.block_bytes, max(start, end - 1) // self.block_bytes) for start, end in ranges]
         blocks = sorted({b for first, last in first_last for b in range(first, last + 1)})
         files = {b: self._path(name, version, b) for b in blocks}
@@ -147,7 +148,7 @@ class BlockCache:
         held: dict[int, bytes] = {}
         missing = [b for b in blocks if not self._usable(files[b], sizes[b])]
         if missing:
-            held = self._fetch(store, name, missing, files, sizes)
+            held = self._fetch(store, name, etag, missing, files, sizes)
         return [self._slice(start, end, files, held) for start, end in ranges]
 
     # -- one batch's blocks -------------------------------------------------------------------------------------------
@@ -169,7 +170,7 @@ class BlockCache:
                 os.utime(path)
         return True
 
-    def _fetch(self, store: Any, name: str, missing: list[int], files: dict[int, Path],
+    def _fetch(self, store: Any, name: str, etag: str | None, missing: list[int], files: dict[int, Path],
                sizes: dict[int, int]) -> dict[int, bytes]:
         """Fetch the blocks still missing once their locks are held; returns their bytes (kept for this call).
 
@@ -181,7 +182,7 @@ class BlockCache:
                 still = [b for b in missing if not self._usable(files[b], sizes[b])]
                 if not still:
                     return {}
-                fetched = self._get(store, name, still, sizes)
+                fetched = self._get(store, name, etag, still, sizes)
                 try:
                     for b, data in zip(still, fetched):
                         with atomic_writer(files[b]) as stream:
@@ -191,15 +192,17 @@ class BlockCache:
                     return dict(zip(still, fetched))
         except _Unlocked as unlocked:
             self._degraded(unlocked.error)
-            return dict(zip(missing, self._get(store, name, missing, sizes)))
+            return dict(zip(missing, self._get(store, name, etag, missing, sizes)))
         with contextlib.suppress(OSError):
             self._evict(keep={files[b] for b in still})
         return dict(zip(still, fetched))
 
-    def _get(self, store: Any, name: str, blocks: list[int], sizes: dict[int, int]) -> list[bytes]:
-        """The bytes of ``blocks`` of ``name`` from the store, each checked for its length."""
+    def _get(self, store: Any, name: str, etag: str | None, blocks: list[int],
+             sizes: dict[int, int]) -> list[bytes]:
+        """The bytes of ``blocks`` of object ``name`` (``If-Match: etag``) from the store, each checked for its
+        length."""
         spans = [(b * self.block_bytes, b * self.block_bytes + sizes[b]) for b in blocks]
-        fetched = store.get_ranges(name, spans, gap=0)
+        fetched = store.get_ranges(name, spans, gap=0, etag=etag)
         for b, data in zip(blocks, fetched):
             if len(data) != sizes[b]:
                 raise OSError(f"{name}: block {b} came back with {len(data)} of {sizes[b]} bytes")

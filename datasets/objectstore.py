@@ -28,6 +28,7 @@ module:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import time
@@ -40,7 +41,7 @@ from torch.utils.data import get_worker_info
 
 from pksampler.files import atomic_write_bytes
 
-__all__ = ["GET_PRICE_USD", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
+__all__ = ["GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
 
 #: S3 standard, per GET request (us-east-1): $0.0004 per 1,000
 GET_PRICE_USD = 0.0004 / 1000
@@ -50,6 +51,10 @@ _ENVIRONMENT = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN
 
 class ObjectStoreError(OSError):
     """A request the store refused or could not answer after its retries; the message names bucket and key."""
+
+
+class ObjectChangedError(ObjectStoreError):
+    """An object is not the one the pack's manifest describes: replaced, cut or grown on the store since upload."""
 
 
 def is_remote(root: Any) -> bool:
@@ -160,13 +165,31 @@ class ObjectStore:
                 reason = "no such object or bucket"
         return ObjectStoreError(f"s3://{self.bucket}/{self.key(name)}: {reason}")
 
+    def changed(self, name: str, what: str) -> ObjectChangedError:
+        """The one-line error for an object that is not the one the manifest describes."""
+        return ObjectChangedError(f"s3://{self.bucket}/{self.key(name)}: {what}: the object changed on the store "
+                                  "since the pack was uploaded (or since the job started); upload the pack again "
+                                  "(manifest last) and restart")
+
     def _request(self, name: str, call: Any) -> Any:
+        try:
+            return self._request_retried(name, call)
+        except ObjectStoreError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a 412 from If-Match
+            if type(error).__name__ == "PreconditionError":
+                raise self.changed(name, "its ETag no longer matches (412 Precondition Failed)") from None
+            raise
+
+    def _request_retried(self, name: str, call: Any) -> Any:
         """``call()`` with obstore's own retries (5xx, SlowDown, connection errors), plus up to 3 more tries over
         ~3.5 s for a refusal: an S3-compatible gateway that is restarting refuses signed requests for a moment."""
         for wait in (0.5, 1.0, 2.0, None):
             try:
                 return call()
             except Exception as error:  # noqa: BLE001 - obstore's exception types, turned into one line
+                if type(error).__name__ == "PreconditionError":
+                    raise
                 failure = self._fail(name, error)
                 if wait is None or "no such object" in str(failure):
                     raise failure from None
@@ -191,10 +214,15 @@ class ObjectStore:
         self._count(1, len(data))
         return data
 
-    def get_ranges(self, name: str, ranges: Sequence[tuple[int, int]], *, gap: int = 1 << 20) -> list[bytes]:
+    def get_ranges(self, name: str, ranges: Sequence[tuple[int, int]], *, gap: int = 1 << 20,
+                   etag: str | None = None) -> list[bytes]:
         """The bytes ``[start, end)`` of each range of ``prefix/name``: one GET per run of ranges less than ``gap``
         bytes apart (a K-chunk of one class, whose samples lie within the class's stretch of the shard), the runs
-        fetched in parallel (up to 10 at a time)."""
+        fetched in parallel (up to 10 at a time).
+
+        With ``etag``, every GET carries ``If-Match: etag``: an object replaced on the store since then is refused
+        by the server (412) and raised as :class:`ObjectChangedError`, never read.
+        """
         import obstore
 
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
@@ -207,8 +235,12 @@ class ObjectStore:
         starts = [min(ranges[i][0] for i in run) for run in runs]
         ends = [max(ranges[i][1] for i in run) for run in runs]
         client = self._client()
-        fetched = self._request(name, lambda: obstore.get_ranges(client, self.key(name), starts=starts, ends=ends,
-                                                                 coalesce=0))
+        if etag is None:
+            fetched = self._request(name, lambda: obstore.get_ranges(client, self.key(name), starts=starts, ends=ends,
+                                                                     coalesce=0))
+        else:
+            fetched = self._request(name, lambda: asyncio.run(_get_if_match(client, self.key(name), starts, ends,
+                                                                            etag)))
         out: list[bytes] = [b""] * len(ranges)
         for run, start, data in zip(runs, starts, fetched):
             data = memoryview(data)
@@ -217,10 +249,20 @@ class ObjectStore:
                 out[i] = bytes(data[ranges[i][0] - start:ranges[i][1] - start])
         return out
 
-    def put(self, name: str, data: bytes) -> None:
+    def put(self, name: str, data: bytes) -> str | None:
+        """Write ``prefix/name``; returns the object's ETag (None if the store gives none)."""
         import obstore
 
-        self._request(name, lambda: obstore.put(self._client(), self.key(name), data))
+        result = self._request(name, lambda: obstore.put(self._client(), self.key(name), data))
+        return result.get("e_tag") if isinstance(result, dict) else None
+
+    def head(self, name: str) -> tuple[int, str | None]:
+        """(size, ETag) of ``prefix/name`` (one HEAD request)."""
+        import obstore
+
+        meta = self._request(name, lambda: obstore.head(self._client(), self.key(name)))
+        self._count(1, 0)
+        return int(meta["size"]), meta.get("e_tag")
 
     def identity(self) -> str:
         """The endpoint and URL of this store (no secret): what keys node-local copies of its objects."""
@@ -240,3 +282,14 @@ class ObjectStore:
         path = folder / name
         atomic_write_bytes(path, self.get(name))
         return path
+
+
+async def _get_if_match(client: Any, key: str, starts: list[int], ends: list[int], etag: str) -> list[bytes]:
+    """The byte runs ``[starts[i], ends[i])`` of ``key``, fetched in parallel, each GET carrying ``If-Match``."""
+    import obstore
+
+    async def one(start: int, end: int) -> bytes:
+        result = await obstore.get_async(client, key, options={"range": (start, end), "if_match": etag})
+        return bytes(await result.bytes_async())
+
+    return list(await asyncio.gather(*(one(start, end) for start, end in zip(starts, ends))))

@@ -207,6 +207,7 @@ class ShardedDataset(LabelledDataset):
         self.max_open_shards = max_open_shards
         self.store: ObjectStore | None = None
         self._prefetched: dict[int, bytes] = {}
+        self._etags: dict[int, str | None] = {}  # remote shards' ETags seen in this process (packs without them)
         if is_remote(root):  # s3://bucket/prefix: the small files in a node-local cache, shards read by ranged GETs
             self.store = ObjectStore(str(root))
             root = _cache_pack_files(self.store)
@@ -243,18 +244,40 @@ class ShardedDataset(LabelledDataset):
         block_bytes = parse_bytes(block_size, name="ShardedDataset(block_size=)", least=64 << 10)
         limit_bytes = parse_bytes(limit, name="ShardedDataset(block_cache=)", least=2 * block_bytes)
         folder = Path(cache_dir) if cache_dir is not None else self.store.cache_folder() / "blocks"
-        # A block's name carries the store (endpoint, bucket, prefix) and the shard's manifest entry: two packs
-        # in one cache_dir, or a shard packed again under its old name, never share a block.
-        self._shard_versions = [hashlib.sha256(f"{self.store.identity()}|{json.dumps(entry, sort_keys=True)}"
-                                               .encode()).hexdigest()[:12] for entry in self.manifest["shards"]]
         return BlockCache(folder, limit_bytes=limit_bytes, block_bytes=block_bytes)
+
+    def _shard_etag(self, shard: int) -> str | None:
+        """The ETag every GET of remote shard ``shard`` must match (``If-Match``).
+
+        Recorded in the manifest by the upload; for a pack uploaded without them, the ETag seen by one HEAD at the
+        shard's first use in this process (the size checked against the manifest), so a shard replaced while the
+        job runs is refused, never read.
+        """
+        entry = self.manifest["shards"][shard]
+        if entry.get("etag"):
+            return str(entry["etag"])
+        if shard not in self._etags:
+            name = self.shard_names[shard]
+            size, etag = self.store.head(name)
+            if size != int(self.shard_bytes[shard]):
+                raise self.store.changed(name, f"it has {size} bytes, the manifest says {int(self.shard_bytes[shard])}")
+            self._etags[shard] = etag
+        return self._etags[shard]
+
+    def _shard_version(self, shard: int, etag: str | None) -> str:
+        """A block cache key of remote shard ``shard``: the store (endpoint, bucket, prefix), the shard's manifest
+        entry and its ETag, so two packs in one cache_dir, a shard packed again under its old name or one replaced
+        on the store never share a block."""
+        entry = json.dumps(self.manifest["shards"][shard], sort_keys=True)
+        return hashlib.sha256(f"{self.store.identity()}|{entry}|{etag}".encode()).hexdigest()[:12]
 
     def _remote_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Bytes of ``ranges`` of remote shard ``shard``: through the block cache, or one GET per nearby run."""
-        name = self.shard_names[shard]
+        name, etag = self.shard_names[shard], self._shard_etag(shard)
         if self.blocks is None:
-            return self.store.get_ranges(name, ranges)
-        return self.blocks.read(self.store, name, self._shard_versions[shard], int(self.shard_bytes[shard]), ranges)
+            return self.store.get_ranges(name, ranges, etag=etag)
+        return self.blocks.read(self.store, name, self._shard_version(shard, etag), int(self.shard_bytes[shard]),
+                                ranges, etag=etag)
 
     def verify(self, *, index: bool = True, shards: bool = True) -> None:
         """Check the full SHA-256 of the index and labels and of every shard against the manifest (reads all).

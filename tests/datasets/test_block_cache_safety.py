@@ -69,7 +69,7 @@ def test_planted_links_and_foreign_folders_are_refused_or_fetched_over(local_pac
         ShardedDataset(remote_pack, block_cache=4 * BLOCK, block_size=BLOCK, cache_dir=open_folder)
     # a link planted at a block's name is not served: the block is fetched over it
     remote = ShardedDataset(remote_pack, block_cache=64 * BLOCK, block_size=BLOCK, cache_dir=tmp_path / "planted")
-    name = f"{remote.shard_names[0]}.{remote._shard_versions[0]}.{0:07d}"
+    name = f"{remote.shard_names[0]}.{remote._shard_version(0, remote._shard_etag(0))}.{0:07d}"
     decoy = tmp_path / "decoy"
     decoy.write_bytes(b"\0" * min(BLOCK, int(remote.shard_bytes[0])))
     (remote.blocks.folder / name).symlink_to(decoy)
