@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -208,9 +209,10 @@ class ShardedDataset(LabelledDataset):
         self.store: ObjectStore | None = None
         self._prefetched: dict[int, bytes] = {}
         self._etags: dict[int, str | None] = {}  # remote shards' ETags seen in this process (packs without them)
+        fresh = True
         if is_remote(root):  # s3://bucket/prefix: the small files in a node-local cache, shards read by ranged GETs
             self.store = ObjectStore(str(root))
-            root = _cache_pack_files(self.store)
+            root, fresh = _cache_pack_files(self.store)
             if verify_index:
                 raise ValueError("ShardedDataset(verify_index=True) reads every shard; on an object store, check the "
                                  "shards' SHA-256 where they were packed (python -m pksampler.datasets.pack keeps them)")
@@ -221,7 +223,7 @@ class ShardedDataset(LabelledDataset):
         self.shard_names = [s["name"] for s in self.manifest["shards"]]
         self.shard_bytes = np.asarray([s["bytes"] for s in self.manifest["shards"]], dtype=np.int64)
         self.classes = list(self.manifest["classes"])
-        self.index, self.labels = _open_index(self.root, self.manifest, verify=verify_index)
+        self.index, self.labels = self._open_index(verify_index, fresh)
         self._checked: set[int] = set()  # shards whose fingerprint matched in this process
         # The packer writes class by class: same-class lookups are a binary search, no scan of 10^8 labels.
         self._labels_sorted = True if self.manifest.get("class_contiguous") else None
@@ -230,6 +232,24 @@ class ShardedDataset(LabelledDataset):
         self.blocks = self._block_cache(block_cache, block_size, cache_dir)
         if verify_index:
             self.verify(index=False)
+
+    def _open_index(self, verify: bool, fresh: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The index and labels, checked against the manifest. A remote pack's cached copies that fail the check
+        (damaged on the node's disk) are fetched once more, with a warning; a fresh copy that fails names the
+        ``s3://`` objects."""
+        try:
+            return _open_index(self.root, self.manifest, verify=verify)
+        except (ShardDamagedError, ValueError) as error:
+            if self.store is None:
+                raise
+            if fresh:
+                raise ShardDamagedError(f"ShardedDataset: {self.store.url}/{INDEX_FILE} and {LABELS_FILE}, as fetched "
+                                        f"from the store, do not match {self.store.url}/{MANIFEST}: {error}") from None
+            warnings.warn(f"ShardedDataset: the node's cached copies of {self.store.url}/{INDEX_FILE} and "
+                          f"{LABELS_FILE} in {self.root} failed their check ({error}); fetched them again",
+                          RuntimeWarning, stacklevel=3)
+            _fetch_index_files(self.store, self.root)
+            return self._open_index(verify, fresh=True)
 
     def _block_cache(self, limit: int | str | None, block_size: int | str,
                      cache_dir: str | os.PathLike | None) -> BlockCache | None:
@@ -417,8 +437,10 @@ class ShardedDataset(LabelledDataset):
         self._pid = os.getpid()
 
 
-def _cache_pack_files(store: ObjectStore) -> Path:
-    """The pack's manifest, index and labels in a node-local folder, downloaded when the manifest changed.
+def _cache_pack_files(store: ObjectStore) -> tuple[Path, bool]:
+    """The pack's manifest, index and labels in a node-local folder, downloaded when the manifest changed;
+    returns the folder and whether the index and labels were downloaded now (else: trusted from the cache, to be
+    fetched again if they fail their check).
 
     Several processes of a host may do this at once: every file is written
     atomically, the manifest last, so a reader sees either the old set or the new.
@@ -426,13 +448,17 @@ def _cache_pack_files(store: ObjectStore) -> Path:
     folder = store.cache_folder()
     manifest = store.get(MANIFEST)
     cached = folder / MANIFEST
-    fresh = cached.is_file() and cached.read_bytes() == manifest and (folder / INDEX_FILE).is_file() \
+    kept = cached.is_file() and cached.read_bytes() == manifest and (folder / INDEX_FILE).is_file() \
         and (folder / LABELS_FILE).is_file()
-    if not fresh:
-        store.fetch(INDEX_FILE, folder)
-        store.fetch(LABELS_FILE, folder)
+    if not kept:
+        _fetch_index_files(store, folder)
         atomic_write_bytes(cached, manifest)
-    return folder
+    return folder, not kept
+
+
+def _fetch_index_files(store: ObjectStore, folder: Path) -> None:
+    store.fetch(INDEX_FILE, folder)
+    store.fetch(LABELS_FILE, folder)
 
 
 def _regular_descriptor(path: Path) -> int:

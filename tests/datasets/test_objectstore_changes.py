@@ -75,3 +75,26 @@ def test_a_shard_replaced_on_the_store_is_refused_in_one_line(local_pack, seawee
     with pytest.raises(ObjectChangedError, match=rf"^{old}/{shard}: it has 1000 bytes, the manifest says "
                                                  rf"{int(local.shard_bytes[1])}: the object changed on the store"):
         ShardedDataset(old, **options).read_bytes(first_sample_of(local, 1))
+
+
+def test_a_damaged_cached_index_is_fetched_again_and_a_damaged_remote_one_names_the_object(local_pack, seaweed):
+    # The cached index.npy was trusted while manifest.json was unchanged: every start failed until the user found
+    # the node's cache folder by hand.
+    url = uploaded(local_pack, seaweed, "s3://pksampler-test/packs/index-damage")
+    remote = ShardedDataset(url)
+    cached = remote.root / "index.npy"
+    damaged = bytearray(cached.read_bytes())
+    damaged[-5] ^= 0xFF
+    cached.write_bytes(bytes(damaged))
+    with pytest.warns(RuntimeWarning, match=rf"cached copies of {url}/index\.npy and labels\.npy in .* failed their "
+                                            r"check \(.*\); fetched them again"):
+        again = ShardedDataset(url)
+    assert np.array_equal(again.index, ShardedDataset(local_pack).index)
+    # the store's own copy damaged: one line naming the s3:// objects, after one more fetch
+    ObjectStore(url).put("index.npy", bytes(damaged))
+    cached.write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=rf"^ShardedDataset: {url}/index\.npy and labels\.npy, as fetched from the "
+                                         rf"store, do not match {url}/manifest\.json: ") as caught:
+        with pytest.warns(RuntimeWarning, match="fetched them again"):
+            ShardedDataset(url)
+    assert "\n" not in str(caught.value)
