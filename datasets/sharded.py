@@ -14,8 +14,9 @@ K samples of one class is K small positioned reads in one shard.
 
 The index and labels are memory-mapped (``np.load(mmap_mode="r",
 allow_pickle=False)``): opening a 10^8-sample set reads the manifest, two
-array headers and the labels once (one vectorised pass checks their range,
-class order and per-class counts against the manifest), never the index.
+array headers, the labels and the index once (vectorised passes check the
+labels' range, class order and per-class counts, and that every shard id
+names a listed shard and every payload lies inside it).
 
 Integrity, from cheap to complete:
 
@@ -38,7 +39,7 @@ import re
 import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from PIL import Image
@@ -537,6 +538,7 @@ def _open_index(root: Path, manifest: dict[str, Any], *, verify: bool) -> tuple[
                          f"SHA-256 in {root / MANIFEST}")
     index, labels = arrays
     _check_labels(root, labels, manifest)
+    _check_shard_ids(root, index, manifest)
     return index, labels
 
 
@@ -562,3 +564,37 @@ def _check_labels(root: Path, labels: np.ndarray, manifest: dict[str, Any]) -> N
         first = int(np.flatnonzero(counts != np.asarray(expected, dtype=np.int64))[0])
         raise ShardDamagedError(f"ShardedDataset: {root / LABELS_FILE} gives class {first} {int(counts[first])} samples, "
                          f"{root / MANIFEST} says {int(expected[first])} (damaged on disk? re-run pack)")
+
+
+def _check_shard_ids(root: Path, index: np.ndarray, manifest: dict[str, Any]) -> None:
+    """One pass over the index in blocks: every shard id names a shard of the manifest and every payload lies
+    inside its shard (an id of 2**31 would make the shard-local plan allocate per id, not per shard)."""
+    sizes = np.asarray([int(entry.get("bytes", 0)) for entry in manifest["shards"]], dtype=np.int64)
+    for start, block in _blocks_of(index, 1 << 20):
+        shards = block["shard"].astype(np.int64)
+        bad = np.flatnonzero(shards >= sizes.size)
+        if bad.size:
+            raise ShardDamagedError(f"ShardedDataset: {root / INDEX_FILE} names shard {int(shards[bad[0]])} at sample "
+                                    f"{start + int(bad[0])}; {root / MANIFEST} lists {sizes.size} shards, ids "
+                                    f"[0, {sizes.size}) (damaged on disk? re-run pack)")
+        ends = block["offset"].astype(np.uint64) + block["size"].astype(np.uint64)
+        bad = np.flatnonzero(ends > sizes[shards].astype(np.uint64))
+        if bad.size:
+            i = int(bad[0])
+            raise ShardDamagedError(f"ShardedDataset: {root / INDEX_FILE} puts sample {start + i} at bytes "
+                                    f"[{int(block['offset'][i])}, {int(ends[i])}) of shard {int(shards[i])}, which has "
+                                    f"{int(sizes[shards[i]])} bytes in {root / MANIFEST} (damaged on disk? re-run pack)")
+
+
+def _blocks_of(array: np.ndarray, length: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(start, copy of ``array[start:start + length]``) over the array; a memory-mapped one is read through a file
+    handle, so the pass leaves no mapped pages in the process's resident memory."""
+    filename = getattr(array, "filename", None)
+    if not isinstance(array, np.memmap) or not filename:
+        for start in range(0, array.size, length):
+            yield start, np.asarray(array[start:start + length])
+        return
+    with open(filename, "rb") as handle:
+        handle.seek(array.offset)
+        for start in range(0, array.size, length):
+            yield start, np.fromfile(handle, dtype=array.dtype, count=min(length, array.size - start))
