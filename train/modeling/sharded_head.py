@@ -34,6 +34,9 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from pksampler.train.config.schema import MAX_HEAD_SCALE
+from pksampler.train.errors import ConfigError
+
 __all__ = ["HEADS", "HeadSpec", "ShardedMarginHead", "sampled", "shard_range"]
 
 #: ``head.name`` choices
@@ -63,6 +66,67 @@ class HeadSpec:
     negatives: int = 8192  # expected sampled negative classes per step (all classes when >= C)
     subcentres: int = 1
     weight: float = 1.0  # the head's loss against the pair loss
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or \
+                not 0.0 < self.scale <= MAX_HEAD_SCALE:
+            raise ValueError(f"head.scale: must be in (0, {MAX_HEAD_SCALE:g}], got {self.scale!r} (the softmax "
+                             "offsets logits by the scale in fp64; beyond the bound a row underflows to log(0))")
+
+
+def head_memory(num_classes: int, dim: int, subcentres: int, world: int) -> dict[str, int]:
+    """Bytes one rank holds for the head: its rows and their momentum (fp32, ⌈C/W⌉·k·D each), the row clock
+    (8 bytes a row) and, at a checkpoint, the whole head's rows and momentum that
+    :meth:`ShardedMarginHead.gather_rows` all-gathers to every rank."""
+    share = -(-num_classes // max(world, 1)) * subcentres * dim * 4
+    whole = num_classes * subcentres * dim * 4
+    return {"rows": share, "momentum": share, "clock": -(-num_classes // max(world, 1)) * 8,
+            "checkpoint": 2 * whole}
+
+
+def available_host_bytes() -> int | None:
+    """Memory this process may still take: MemAvailable, capped by a cgroup limit (v2 or v1); None if unknown."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for path, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(path, encoding="ascii") as limit, open(usage, encoding="ascii") as used:
+                text = limit.read().strip()
+                if text != "max" and int(text) < 1 << 60:
+                    found.append(int(text) - int(used.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int, local_ranks: int = 1,
+                      available: int | None = None) -> None:
+    """Refuse, in one line naming ``head.*`` and C, a head that the host's memory cannot hold.
+
+    The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, each one's gathered copy of
+    the whole head; ``available`` defaults to :func:`available_host_bytes` (skipped when unknown).
+    """
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    need = head_memory(num_classes, dim, subcentres, world)
+    steady = need["rows"] + need["momentum"] + need["clock"]
+    total = local_ranks * (steady + need["checkpoint"])
+    if total > available:
+        gib = 1 << 30
+        raise ConfigError(
+            f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
+            f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB on this host ({local_ranks} rank(s) × "
+            f"({steady / gib:.2f} GiB of rows and momentum at W={world} + {need['checkpoint'] / gib:.2f} GiB for the "
+            f"checkpoint's gathered copy)), but {available / gib:.2f} GiB are available: use fewer classes, a "
+            "smaller model.embedding_dim or head.subcentres, or hosts with more memory")
 
 
 def shard_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
@@ -128,10 +192,12 @@ class ShardedMarginHead(torch.nn.Module):
         seed: keys the initial rows and the negative draw.
     """
 
-    def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0) -> None:
+    def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0,
+                 local_ranks: int = 1) -> None:
         super().__init__()
         if spec.name not in HEADS:
             raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
+        check_head_memory(num_classes, dim, spec.subcentres, world=collectives.size, local_ranks=local_ranks)
         self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
