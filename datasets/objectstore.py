@@ -20,7 +20,12 @@ module:
   in the class's stretch of a shard) is one request, never a whole-shard
   download.
 * **Errors.** A missing object or a refused credential is one line naming the
-  bucket and key (:class:`ObjectStoreError`).
+  bucket and key (:class:`ObjectStoreError`); an object replaced since the
+  upload is refused by the server (``If-Match``, :class:`ObjectChangedError`).
+* **Outages.** A store that stops answering (connection errors, 5xx, a
+  gateway refusing signed requests while it restarts) is retried with backoff
+  for ``outage_seconds`` (default 300 s) before a read fails; the job waits
+  rather than dies.
 * **Accounting.** GETs and bytes, summed over DataLoader workers through shared
   memory (:meth:`ObjectStore.counts`); at $0.0004 per 1,000 GETs (S3 standard)
   :func:`cost_usd` gives the bill.
@@ -31,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -41,10 +47,13 @@ from torch.utils.data import get_worker_info
 
 from pksampler.files import atomic_write_bytes
 
-__all__ = ["GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
+__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
 
 #: S3 standard, per GET request (us-east-1): $0.0004 per 1,000
 GET_PRICE_USD = 0.0004 / 1000
+#: how long a store that fails (connection errors, 5xx, a gateway refusing while it restarts) is retried before a
+#: read fails: data.args.outage_seconds / ShardedDataset(outage_seconds=)
+DEFAULT_OUTAGE_SECONDS = 300.0
 _COUNTER_ROWS = 65  # row 0: the main process; rows 1..64: DataLoader workers (by worker id)
 _ENVIRONMENT = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION")
 
@@ -101,23 +110,32 @@ class ObjectStore:
         environ: where the ``AWS_*`` variables come from (default ``os.environ``).
     """
 
-    def __init__(self, url: str, *, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, *, environ: dict[str, str] | None = None,
+                 outage_seconds: float = DEFAULT_OUTAGE_SECONDS) -> None:
+        if isinstance(outage_seconds, bool) or not isinstance(outage_seconds, (int, float)) or \
+                not 0 < outage_seconds <= 7 * 24 * 3600:
+            raise ValueError(f"ObjectStore(outage_seconds=) must be a number of seconds in (0, 604800], got "
+                             f"{outage_seconds!r}")
         self.url = url.rstrip("/")
         self.bucket, self.prefix = split_url(self.url)
+        self.outage_seconds = float(outage_seconds)
         self._environ = environ
         self._store: Any = None
         self._pid = -1
+        self._answered = False  # a request succeeded: the credentials work, so a refusal is an outage
         self._counts = torch.zeros(_COUNTER_ROWS, 2, dtype=torch.int64).share_memory_()
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "_counts": self._counts}
+        return {"url": self.url, "_counts": self._counts, "outage_seconds": self.outage_seconds,
+                "_answered": self._answered}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"])
+        self.__init__(state["url"], outage_seconds=state.get("outage_seconds", DEFAULT_OUTAGE_SECONDS))
         self._counts = state["_counts"]
+        self._answered = bool(state.get("_answered", False))
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -142,7 +160,8 @@ class ObjectStore:
                     options[option] = environ[variable]
             if endpoint:
                 options.update(endpoint=endpoint, virtual_hosted_style_request=False)
-            retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=180),
+            # obstore's own retries stay within the outage budget; the loop in _request_retried spans the rest
+            retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=min(30.0, self.outage_seconds)),
                      "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10),
                                  "base": 2.0}}
             client_options = {"allow_http": bool(endpoint and endpoint.startswith("http://")),
@@ -157,8 +176,14 @@ class ObjectStore:
                   "UnauthenticatedError": "the credentials were refused (check AWS_ACCESS_KEY_ID and "
                                           "AWS_SECRET_ACCESS_KEY)"}.get(kind)
         if reason is None:
-            first = str(error).splitlines()[0][:200] if str(error) else kind
+            text = str(error)
+            status = re.search(r"status code: (\d{3}[^:<]*)", text)
+            first = text.splitlines()[0][:200] if text else kind
             reason = f"{kind}: {first}"
+            if status:
+                reason = f"the store answered {status.group(1).strip()}"
+            elif re.search(r"error sending request|connection|timed out|HTTP error", text, re.IGNORECASE):
+                reason = "the store did not answer (connection refused, reset or timed out)"
             if "403" in str(error) or "Forbidden" in str(error) or "AccessDenied" in str(error):
                 reason = "access denied (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
             elif "404" in str(error) or "NoSuchKey" in str(error) or "NoSuchBucket" in str(error):
@@ -182,19 +207,33 @@ class ObjectStore:
             raise
 
     def _request_retried(self, name: str, call: Any) -> Any:
-        """``call()`` with obstore's own retries (5xx, SlowDown, connection errors), plus up to 3 more tries over
-        ~3.5 s for a refusal: an S3-compatible gateway that is restarting refuses signed requests for a moment."""
-        for wait in (0.5, 1.0, 2.0, None):
+        """``call()`` with obstore's own retries (5xx, SlowDown, connection errors) and, past them, more tries with
+        backoff until the store has failed for ``outage_seconds``: an outage within the budget costs time, not the
+        job. A missing object fails at once. A refused credential fails after ~3.5 s while this store has never
+        answered (a wrong secret); after it has, a refusal is a gateway restarting, part of the outage."""
+        failing_since, wait, refusals = None, 0.5, 0
+        while True:
             try:
-                return call()
+                result = call()
             except Exception as error:  # noqa: BLE001 - obstore's exception types, turned into one line
                 if type(error).__name__ == "PreconditionError":
                     raise
                 failure = self._fail(name, error)
-                if wait is None or "no such object" in str(failure):
+                refused = "access denied" in str(failure) or "credentials were refused" in str(failure)
+                if "no such object" in str(failure) or (refused and not self._answered and refusals == 3):
                     raise failure from None
-                time.sleep(wait)
-        raise AssertionError("unreachable")
+                refusals += refused
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= self.outage_seconds:
+                    raise ObjectStoreError(f"{failure}; the store failed for {now - failing_since:.0f} s, past the "
+                                           f"outage budget of {self.outage_seconds:g} s (data.args.outage_seconds, "
+                                           "ShardedDataset(outage_seconds=))") from None
+                time.sleep(min(wait, max(self.outage_seconds - (now - failing_since), 0.0)))
+                wait = min(2 * wait, 10.0)
+                continue
+            self._answered = True
+            return result
 
     def _count(self, gets: int, size: int) -> None:
         row = _counter_row()

@@ -49,7 +49,7 @@ from pksampler.files import atomic_write_bytes, atomic_write_text, atomic_writer
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, NotRegularFileError, load_rgb, open_regular
 from .base import LabelledDataset, check_decoding
 from .blockcache import BlockCache
-from .objectstore import ObjectStore, is_remote
+from .objectstore import DEFAULT_OUTAGE_SECONDS, ObjectStore, is_remote
 
 __all__ = [
     "FORMAT_NAME",
@@ -184,7 +184,9 @@ class ShardedDataset(LabelledDataset):
             ranged GET per run of nearby samples of each batch, nothing kept.
         block_size: the cache's block (and GET) size, default ``"16MiB"``.
         cache_dir: the cache's folder (default ``$PKSAMPLER_CACHE/objectstore/<store>/blocks``); ``/dev/shm/...``
-            keeps it in RAM.
+            keeps it in RAM. The blocks go to a folder of their own inside it (``pksampler-blocks-v1/``).
+        outage_seconds: object stores only: how long a store that stops answering is retried before a read
+            fails (default 300).
 
     Path rules: shard names in the manifest must be plain file names
     (``[A-Za-z0-9_.-]``, ending ``.tar``: no ``/``, no ``..``, not absolute), and a
@@ -201,7 +203,8 @@ class ShardedDataset(LabelledDataset):
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None, *, seed: int = 0,
                  on_bad: str = "replace", decode_size: int | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
                  verify_index: bool = False, max_open_shards: int = 64, block_cache: int | str | None = None,
-                 block_size: int | str = "16MiB", cache_dir: str | os.PathLike | None = None) -> None:
+                 block_size: int | str = "16MiB", cache_dir: str | os.PathLike | None = None,
+                 outage_seconds: float | None = None) -> None:
         super().__init__(transform, seed=seed, on_bad=on_bad)
         self.decode_size, self.max_pixels = check_decoding("ShardedDataset", decode_size, max_pixels)
         if isinstance(max_open_shards, bool) or not isinstance(max_open_shards, int) or max_open_shards < 1:
@@ -212,11 +215,15 @@ class ShardedDataset(LabelledDataset):
         self._etags: dict[int, str | None] = {}  # remote shards' ETags seen in this process (packs without them)
         fresh = True
         if is_remote(root):  # s3://bucket/prefix: the small files in a node-local cache, shards read by ranged GETs
-            self.store = ObjectStore(str(root))
+            self.store = ObjectStore(str(root), outage_seconds=DEFAULT_OUTAGE_SECONDS if outage_seconds is None
+                                     else outage_seconds)
             root, fresh = _cache_pack_files(self.store)
             if verify_index:
                 raise ValueError("ShardedDataset(verify_index=True) reads every shard; on an object store, check the "
                                  "shards' SHA-256 where they were packed (python -m pksampler.datasets.pack keeps them)")
+        elif outage_seconds is not None:
+            raise ValueError(f"ShardedDataset(outage_seconds={outage_seconds!r}) is an object store's outage budget; "
+                             f"{root} is a local folder")
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ShardedDataset(root=) is not a directory: {self.root}")

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY, SECRET_KEY = "pksampler-test", "pksampler-test-secret-0123456789"
 #: the object a signed round trip writes and reads back before the server counts as started
@@ -82,22 +83,27 @@ class SeaweedServer:
         refuses signed requests or answers 500 for a few seconds, longer on a
         loaded machine. Ready means a real round trip, not an open port.
         """
-        from datetime import timedelta
-
         import obstore
-        from obstore.store import S3Store
 
-        client = S3Store(READY_BUCKET, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
-                         region="us-east-1", virtual_hosted_style_request=False,
-                         client_options={"allow_http": True, "timeout": timedelta(seconds=5)},
-                         retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5),
-                                       "backoff": {"init_backoff": timedelta(milliseconds=100),
-                                                   "max_backoff": timedelta(seconds=1), "base": 2.0}})
+        client = self.client(READY_BUCKET)
         try:
             obstore.put(client, READY_KEY, b"ready")
             return bytes(obstore.get(client, READY_KEY).bytes()) == b"ready"
         except Exception:  # noqa: BLE001 - any refusal, reset or 5xx means "not yet"
             return False
+
+    def client(self, bucket: str) -> Any:
+        """A raw obstore client of ``bucket`` with the test's credentials and no retries (for set-up and damage)."""
+        from datetime import timedelta
+
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                       region="us-east-1", virtual_hosted_style_request=False,
+                       client_options={"allow_http": True, "timeout": timedelta(seconds=5)},
+                       retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5),
+                                     "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                                 "max_backoff": timedelta(seconds=1), "base": 2.0}})
 
     def kill(self) -> None:
         """SIGKILL the server and its children (an outage)."""

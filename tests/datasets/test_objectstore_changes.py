@@ -98,3 +98,38 @@ def test_a_damaged_cached_index_is_fetched_again_and_a_damaged_remote_one_names_
         with pytest.warns(RuntimeWarning, match="fetched them again"):
             ShardedDataset(url)
     assert "\n" not in str(caught.value)
+
+
+def test_an_outage_past_its_budget_is_one_line_and_a_refusal_after_success_is_an_outage(local_pack, seaweed,
+                                                                                        monkeypatch):
+    # A store down for longer than obstore's ~16-35 s of retries was a DataLoader-worker traceback; the budget is
+    # now a documented, configurable length. A gateway that refuses signed requests while it restarts is part of
+    # that outage once the credentials have worked, not an "access denied" at once.
+    import pickle
+
+    from pksampler.datasets.objectstore import ObjectStoreError
+
+    url = uploaded(local_pack, seaweed, "s3://pksampler-test/packs/outage")
+    remote = ShardedDataset(url, outage_seconds=2)
+    assert remote.read_bytes(0) == ShardedDataset(local_pack).read_bytes(0)
+    seaweed.kill()
+    try:
+        with pytest.raises(ObjectStoreError, match=rf"^{url}/shard-\d+\.tar: the store did not answer \(connection refused, reset or timed "
+                                                   r"out\); the store failed for \d+ s, past "
+                                                   r"the outage budget of 2 s \(data\.args\.outage_seconds, "
+                                                   r"ShardedDataset\(outage_seconds=\)\)$"):
+            remote.read_bytes(len(remote) - 1)
+    finally:
+        seaweed.start()
+    with pytest.raises(ValueError, match=r"ObjectStore\(outage_seconds=\) must be a number of seconds in "
+                                         r"\(0, 604800\], got 0"):
+        ShardedDataset(url, outage_seconds=0)
+    # a refusal: reported as such by a store that never answered, retried as an outage by one that did
+    proven = pickle.loads(pickle.dumps(remote.store))  # what a DataLoader worker receives
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    never = ObjectStore(url, outage_seconds=2)
+    with pytest.raises(ObjectStoreError, match=rf"^{url}/manifest\.json: (access denied|the credentials were "
+                                               r"refused) \(check AWS_[^)]*\)$"):
+        never.get("manifest.json")
+    with pytest.raises(ObjectStoreError, match=r"\(check AWS_.*\); the store failed for \d+ s, past the outage budget"):
+        proven.get("manifest.json")
