@@ -278,8 +278,7 @@ class ObjectStore:
             fetched = self._request(name, lambda: obstore.get_ranges(client, self.key(name), starts=starts, ends=ends,
                                                                      coalesce=0))
         else:
-            fetched = self._request(name, lambda: asyncio.run(_get_if_match(client, self.key(name), starts, ends,
-                                                                            etag)))
+            fetched = self._request(name, lambda: _run(_get_if_match(client, self.key(name), starts, ends, etag)))
         out: list[bytes] = [b""] * len(ranges)
         for run, start, data in zip(runs, starts, fetched):
             data = memoryview(data)
@@ -321,6 +320,18 @@ class ObjectStore:
         path = folder / name
         atomic_write_bytes(path, self.get(name))
         return path
+
+
+def _run(coroutine: Any) -> Any:
+    """``asyncio.run(coroutine)``, in a thread of its own when this thread already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
 
 
 async def _get_if_match(client: Any, key: str, starts: list[int], ends: list[int], etag: str) -> list[bytes]:
