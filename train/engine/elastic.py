@@ -212,7 +212,7 @@ class _StateDictHandler:
         self.save()
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict(everywhere=True))
+        self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
         self.value.load_state_dict(copy.deepcopy(self._saved))
