@@ -20,7 +20,12 @@ module:
   in the class's stretch of a shard) is one request, never a whole-shard
   download.
 * **Errors.** A missing object or a refused credential is one line naming the
-  bucket and key (:class:`ObjectStoreError`).
+  bucket and key (:class:`ObjectStoreError`); an object replaced since the
+  upload is refused by the server (``If-Match``, :class:`ObjectChangedError`).
+* **Outages.** A store that stops answering (connection errors, 5xx, a
+  gateway refusing signed requests while it restarts) is retried with backoff
+  for ``outage_seconds`` (default 300 s) before a read fails; the job waits
+  rather than dies.
 * **Accounting.** GETs and bytes, summed over DataLoader workers through shared
   memory (:meth:`ObjectStore.counts`); at $0.0004 per 1,000 GETs (S3 standard)
   :func:`cost_usd` gives the bill.
@@ -28,8 +33,10 @@ module:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
+import re
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -40,16 +47,23 @@ from torch.utils.data import get_worker_info
 
 from pksampler.files import atomic_write_bytes
 
-__all__ = ["GET_PRICE_USD", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
+__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
 
 #: S3 standard, per GET request (us-east-1): $0.0004 per 1,000
 GET_PRICE_USD = 0.0004 / 1000
+#: how long a store that fails (connection errors, 5xx, a gateway refusing while it restarts) is retried before a
+#: read fails: data.args.outage_seconds / ShardedDataset(outage_seconds=)
+DEFAULT_OUTAGE_SECONDS = 300.0
 _COUNTER_ROWS = 65  # row 0: the main process; rows 1..64: DataLoader workers (by worker id)
 _ENVIRONMENT = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION")
 
 
 class ObjectStoreError(OSError):
     """A request the store refused or could not answer after its retries; the message names bucket and key."""
+
+
+class ObjectChangedError(ObjectStoreError):
+    """An object is not the one the pack's manifest describes: replaced, cut or grown on the store since upload."""
 
 
 def is_remote(root: Any) -> bool:
@@ -96,23 +110,32 @@ class ObjectStore:
         environ: where the ``AWS_*`` variables come from (default ``os.environ``).
     """
 
-    def __init__(self, url: str, *, environ: dict[str, str] | None = None) -> None:
+    def __init__(self, url: str, *, environ: dict[str, str] | None = None,
+                 outage_seconds: float = DEFAULT_OUTAGE_SECONDS) -> None:
+        if isinstance(outage_seconds, bool) or not isinstance(outage_seconds, (int, float)) or \
+                not 0 < outage_seconds <= 7 * 24 * 3600:
+            raise ValueError(f"ObjectStore(outage_seconds=) must be a number of seconds in (0, 604800], got "
+                             f"{outage_seconds!r}")
         self.url = url.rstrip("/")
         self.bucket, self.prefix = split_url(self.url)
+        self.outage_seconds = float(outage_seconds)
         self._environ = environ
         self._store: Any = None
         self._pid = -1
+        self._answered = False  # a request succeeded: the credentials work, so a refusal is an outage
         self._counts = torch.zeros(_COUNTER_ROWS, 2, dtype=torch.int64).share_memory_()
 
     def __repr__(self) -> str:
         return f"ObjectStore({self.url!r})"
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "_counts": self._counts}
+        return {"url": self.url, "_counts": self._counts, "outage_seconds": self.outage_seconds,
+                "_answered": self._answered}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["url"])
+        self.__init__(state["url"], outage_seconds=state.get("outage_seconds", DEFAULT_OUTAGE_SECONDS))
         self._counts = state["_counts"]
+        self._answered = bool(state.get("_answered", False))
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -137,7 +160,8 @@ class ObjectStore:
                     options[option] = environ[variable]
             if endpoint:
                 options.update(endpoint=endpoint, virtual_hosted_style_request=False)
-            retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=180),
+            # obstore's own retries stay within the outage budget; the loop in _request_retried spans the rest
+            retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=min(30.0, self.outage_seconds)),
                      "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10),
                                  "base": 2.0}}
             client_options = {"allow_http": bool(endpoint and endpoint.startswith("http://")),
@@ -152,26 +176,64 @@ class ObjectStore:
                   "UnauthenticatedError": "the credentials were refused (check AWS_ACCESS_KEY_ID and "
                                           "AWS_SECRET_ACCESS_KEY)"}.get(kind)
         if reason is None:
-            first = str(error).splitlines()[0][:200] if str(error) else kind
+            text = str(error)
+            status = re.search(r"status code: (\d{3}[^:<]*)", text)
+            first = text.splitlines()[0][:200] if text else kind
             reason = f"{kind}: {first}"
+            if status:
+                reason = f"the store answered {status.group(1).strip()}"
+            elif re.search(r"error sending request|connection|timed out|HTTP error", text, re.IGNORECASE):
+                reason = "the store did not answer (connection refused, reset or timed out)"
             if "403" in str(error) or "Forbidden" in str(error) or "AccessDenied" in str(error):
                 reason = "access denied (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
             elif "404" in str(error) or "NoSuchKey" in str(error) or "NoSuchBucket" in str(error):
                 reason = "no such object or bucket"
         return ObjectStoreError(f"s3://{self.bucket}/{self.key(name)}: {reason}")
 
+    def changed(self, name: str, what: str) -> ObjectChangedError:
+        """The one-line error for an object that is not the one the manifest describes."""
+        return ObjectChangedError(f"s3://{self.bucket}/{self.key(name)}: {what}: the object changed on the store "
+                                  "since the pack was uploaded (or since the job started); upload the pack again "
+                                  "(manifest last) and restart")
+
     def _request(self, name: str, call: Any) -> Any:
-        """``call()`` with obstore's own retries (5xx, SlowDown, connection errors), plus up to 3 more tries over
-        ~3.5 s for a refusal: an S3-compatible gateway that is restarting refuses signed requests for a moment."""
-        for wait in (0.5, 1.0, 2.0, None):
+        try:
+            return self._request_retried(name, call)
+        except ObjectStoreError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a 412 from If-Match
+            if type(error).__name__ == "PreconditionError":
+                raise self.changed(name, "its ETag no longer matches (412 Precondition Failed)") from None
+            raise
+
+    def _request_retried(self, name: str, call: Any) -> Any:
+        """``call()`` with obstore's own retries (5xx, SlowDown, connection errors) and, past them, more tries with
+        backoff until the store has failed for ``outage_seconds``: an outage within the budget costs time, not the
+        job. A missing object fails at once. A refused credential fails after ~3.5 s while this store has never
+        answered (a wrong secret); after it has, a refusal is a gateway restarting, part of the outage."""
+        failing_since, wait, refusals = None, 0.5, 0
+        while True:
             try:
-                return call()
+                result = call()
             except Exception as error:  # noqa: BLE001 - obstore's exception types, turned into one line
+                if type(error).__name__ == "PreconditionError":
+                    raise
                 failure = self._fail(name, error)
-                if wait is None or "no such object" in str(failure):
+                refused = "access denied" in str(failure) or "credentials were refused" in str(failure)
+                if "no such object" in str(failure) or (refused and not self._answered and refusals == 3):
                     raise failure from None
-                time.sleep(wait)
-        raise AssertionError("unreachable")
+                refusals += refused
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since >= self.outage_seconds:
+                    raise ObjectStoreError(f"{failure}; the store failed for {now - failing_since:.0f} s, past the "
+                                           f"outage budget of {self.outage_seconds:g} s (data.args.outage_seconds, "
+                                           "ShardedDataset(outage_seconds=))") from None
+                time.sleep(min(wait, max(self.outage_seconds - (now - failing_since), 0.0)))
+                wait = min(2 * wait, 10.0)
+                continue
+            self._answered = True
+            return result
 
     def _count(self, gets: int, size: int) -> None:
         row = _counter_row()
@@ -191,10 +253,15 @@ class ObjectStore:
         self._count(1, len(data))
         return data
 
-    def get_ranges(self, name: str, ranges: Sequence[tuple[int, int]], *, gap: int = 1 << 20) -> list[bytes]:
+    def get_ranges(self, name: str, ranges: Sequence[tuple[int, int]], *, gap: int = 1 << 20,
+                   etag: str | None = None) -> list[bytes]:
         """The bytes ``[start, end)`` of each range of ``prefix/name``: one GET per run of ranges less than ``gap``
         bytes apart (a K-chunk of one class, whose samples lie within the class's stretch of the shard), the runs
-        fetched in parallel (up to 10 at a time)."""
+        fetched in parallel (up to 10 at a time).
+
+        With ``etag``, every GET carries ``If-Match: etag``: an object replaced on the store since then is refused
+        by the server (412) and raised as :class:`ObjectChangedError`, never read.
+        """
         import obstore
 
         order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
@@ -207,8 +274,11 @@ class ObjectStore:
         starts = [min(ranges[i][0] for i in run) for run in runs]
         ends = [max(ranges[i][1] for i in run) for run in runs]
         client = self._client()
-        fetched = self._request(name, lambda: obstore.get_ranges(client, self.key(name), starts=starts, ends=ends,
-                                                                 coalesce=0))
+        if etag is None:
+            fetched = self._request(name, lambda: obstore.get_ranges(client, self.key(name), starts=starts, ends=ends,
+                                                                     coalesce=0))
+        else:
+            fetched = self._request(name, lambda: _run(_get_if_match(client, self.key(name), starts, ends, etag)))
         out: list[bytes] = [b""] * len(ranges)
         for run, start, data in zip(runs, starts, fetched):
             data = memoryview(data)
@@ -217,16 +287,31 @@ class ObjectStore:
                 out[i] = bytes(data[ranges[i][0] - start:ranges[i][1] - start])
         return out
 
-    def put(self, name: str, data: bytes) -> None:
+    def put(self, name: str, data: bytes) -> str | None:
+        """Write ``prefix/name``; returns the object's ETag (None if the store gives none)."""
         import obstore
 
-        self._request(name, lambda: obstore.put(self._client(), self.key(name), data))
+        result = self._request(name, lambda: obstore.put(self._client(), self.key(name), data))
+        return result.get("e_tag") if isinstance(result, dict) else None
+
+    def head(self, name: str) -> tuple[int, str | None]:
+        """(size, ETag) of ``prefix/name`` (one HEAD request)."""
+        import obstore
+
+        meta = self._request(name, lambda: obstore.head(self._client(), self.key(name)))
+        self._count(1, 0)
+        return int(meta["size"]), meta.get("e_tag")
+
+    def identity(self) -> str:
+        """The endpoint and URL of this store (no secret): what keys node-local copies of its objects."""
+        environ = os.environ if self._environ is None else self._environ
+        return f"{environ.get('AWS_ENDPOINT_URL', '')}|{self.url}"
 
     def cache_folder(self) -> Path:
         """Node-local folder for the pack's small files: ``$PKSAMPLER_CACHE`` (or ~/.cache/pksampler)/objectstore/."""
         base = Path(os.environ.get("PKSAMPLER_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or
                                                                 Path.home() / ".cache") / "pksampler")
-        digest = hashlib.sha256(f"{os.environ.get('AWS_ENDPOINT_URL', '')}|{self.url}".encode()).hexdigest()[:16]
+        digest = hashlib.sha256(self.identity().encode()).hexdigest()[:16]
         return base / "objectstore" / f"{self.bucket}-{digest}"
 
     def fetch(self, name: str, folder: Path) -> Path:
@@ -235,3 +320,26 @@ class ObjectStore:
         path = folder / name
         atomic_write_bytes(path, self.get(name))
         return path
+
+
+def _run(coroutine: Any) -> Any:
+    """``asyncio.run(coroutine)``, in a thread of its own when this thread already runs an event loop (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+async def _get_if_match(client: Any, key: str, starts: list[int], ends: list[int], etag: str) -> list[bytes]:
+    """The byte runs ``[starts[i], ends[i])`` of ``key``, fetched in parallel, each GET carrying ``If-Match``."""
+    import obstore
+
+    async def one(start: int, end: int) -> bytes:
+        result = await obstore.get_async(client, key, options={"range": (start, end), "if_match": etag})
+        return bytes(await result.bytes_async())
+
+    return list(await asyncio.gather(*(one(start, end) for start, end in zip(starts, ends))))

@@ -14,8 +14,9 @@ K samples of one class is K small positioned reads in one shard.
 
 The index and labels are memory-mapped (``np.load(mmap_mode="r",
 allow_pickle=False)``): opening a 10^8-sample set reads the manifest, two
-array headers and the labels once (one vectorised pass checks their range,
-class order and per-class counts against the manifest), never the index.
+array headers, the labels and the index once (vectorised passes check the
+labels' range, class order and per-class counts, and that every shard id
+names a listed shard and every payload lies inside it).
 
 Integrity, from cheap to complete:
 
@@ -35,9 +36,10 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 from PIL import Image
@@ -47,7 +49,7 @@ from pksampler.files import atomic_write_bytes, atomic_write_text, atomic_writer
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, NotRegularFileError, load_rgb, open_regular
 from .base import LabelledDataset, check_decoding
 from .blockcache import BlockCache
-from .objectstore import ObjectStore, is_remote
+from .objectstore import DEFAULT_OUTAGE_SECONDS, ObjectStore, is_remote
 
 __all__ = [
     "FORMAT_NAME",
@@ -182,7 +184,9 @@ class ShardedDataset(LabelledDataset):
             ranged GET per run of nearby samples of each batch, nothing kept.
         block_size: the cache's block (and GET) size, default ``"16MiB"``.
         cache_dir: the cache's folder (default ``$PKSAMPLER_CACHE/objectstore/<store>/blocks``); ``/dev/shm/...``
-            keeps it in RAM.
+            keeps it in RAM. The blocks go to a folder of their own inside it (``pksampler-blocks-v1/``).
+        outage_seconds: object stores only: how long a store that stops answering is retried before a read
+            fails (default 300).
 
     Path rules: shard names in the manifest must be plain file names
     (``[A-Za-z0-9_.-]``, ending ``.tar``: no ``/``, no ``..``, not absolute), and a
@@ -199,7 +203,8 @@ class ShardedDataset(LabelledDataset):
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None, *, seed: int = 0,
                  on_bad: str = "replace", decode_size: int | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
                  verify_index: bool = False, max_open_shards: int = 64, block_cache: int | str | None = None,
-                 block_size: int | str = "16MiB", cache_dir: str | os.PathLike | None = None) -> None:
+                 block_size: int | str = "16MiB", cache_dir: str | os.PathLike | None = None,
+                 outage_seconds: float | None = None) -> None:
         super().__init__(transform, seed=seed, on_bad=on_bad)
         self.decode_size, self.max_pixels = check_decoding("ShardedDataset", decode_size, max_pixels)
         if isinstance(max_open_shards, bool) or not isinstance(max_open_shards, int) or max_open_shards < 1:
@@ -207,12 +212,18 @@ class ShardedDataset(LabelledDataset):
         self.max_open_shards = max_open_shards
         self.store: ObjectStore | None = None
         self._prefetched: dict[int, bytes] = {}
+        self._etags: dict[int, str | None] = {}  # remote shards' ETags seen in this process (packs without them)
+        fresh = True
         if is_remote(root):  # s3://bucket/prefix: the small files in a node-local cache, shards read by ranged GETs
-            self.store = ObjectStore(str(root))
-            root = _cache_pack_files(self.store)
+            self.store = ObjectStore(str(root), outage_seconds=DEFAULT_OUTAGE_SECONDS if outage_seconds is None
+                                     else outage_seconds)
+            root, fresh = _cache_pack_files(self.store)
             if verify_index:
                 raise ValueError("ShardedDataset(verify_index=True) reads every shard; on an object store, check the "
                                  "shards' SHA-256 where they were packed (python -m pksampler.datasets.pack keeps them)")
+        elif outage_seconds is not None:
+            raise ValueError(f"ShardedDataset(outage_seconds={outage_seconds!r}) is an object store's outage budget; "
+                             f"{root} is a local folder")
         self.root = Path(root)
         if not self.root.is_dir():
             raise FileNotFoundError(f"ShardedDataset(root=) is not a directory: {self.root}")
@@ -220,7 +231,7 @@ class ShardedDataset(LabelledDataset):
         self.shard_names = [s["name"] for s in self.manifest["shards"]]
         self.shard_bytes = np.asarray([s["bytes"] for s in self.manifest["shards"]], dtype=np.int64)
         self.classes = list(self.manifest["classes"])
-        self.index, self.labels = _open_index(self.root, self.manifest, verify=verify_index)
+        self.index, self.labels = self._open_index(verify_index, fresh)
         self._checked: set[int] = set()  # shards whose fingerprint matched in this process
         # The packer writes class by class: same-class lookups are a binary search, no scan of 10^8 labels.
         self._labels_sorted = True if self.manifest.get("class_contiguous") else None
@@ -229,6 +240,24 @@ class ShardedDataset(LabelledDataset):
         self.blocks = self._block_cache(block_cache, block_size, cache_dir)
         if verify_index:
             self.verify(index=False)
+
+    def _open_index(self, verify: bool, fresh: bool) -> tuple[np.ndarray, np.ndarray]:
+        """The index and labels, checked against the manifest. A remote pack's cached copies that fail the check
+        (damaged on the node's disk) are fetched once more, with a warning; a fresh copy that fails names the
+        ``s3://`` objects."""
+        try:
+            return _open_index(self.root, self.manifest, verify=verify)
+        except (ShardDamagedError, ValueError) as error:
+            if self.store is None:
+                raise
+            if fresh:
+                raise ShardDamagedError(f"ShardedDataset: {self.store.url}/{INDEX_FILE} and {LABELS_FILE}, as fetched "
+                                        f"from the store, do not match {self.store.url}/{MANIFEST}: {error}") from None
+            warnings.warn(f"ShardedDataset: the node's cached copies of {self.store.url}/{INDEX_FILE} and "
+                          f"{LABELS_FILE} in {self.root} failed their check ({error}); fetched them again",
+                          RuntimeWarning, stacklevel=3)
+            _fetch_index_files(self.store, self.root)
+            return self._open_index(verify, fresh=True)
 
     def _block_cache(self, limit: int | str | None, block_size: int | str,
                      cache_dir: str | os.PathLike | None) -> BlockCache | None:
@@ -243,16 +272,40 @@ class ShardedDataset(LabelledDataset):
         block_bytes = parse_bytes(block_size, name="ShardedDataset(block_size=)", least=64 << 10)
         limit_bytes = parse_bytes(limit, name="ShardedDataset(block_cache=)", least=2 * block_bytes)
         folder = Path(cache_dir) if cache_dir is not None else self.store.cache_folder() / "blocks"
-        self._shard_versions = [hashlib.sha256(json.dumps(entry, sort_keys=True).encode()).hexdigest()[:12]
-                                for entry in self.manifest["shards"]]
         return BlockCache(folder, limit_bytes=limit_bytes, block_bytes=block_bytes)
+
+    def _shard_etag(self, shard: int) -> str | None:
+        """The ETag every GET of remote shard ``shard`` must match (``If-Match``).
+
+        Recorded in the manifest by the upload; for a pack uploaded without them, the ETag seen by one HEAD at the
+        shard's first use in this process (the size checked against the manifest), so a shard replaced while the
+        job runs is refused, never read.
+        """
+        entry = self.manifest["shards"][shard]
+        if entry.get("etag"):
+            return str(entry["etag"])
+        if shard not in self._etags:
+            name = self.shard_names[shard]
+            size, etag = self.store.head(name)
+            if size != int(self.shard_bytes[shard]):
+                raise self.store.changed(name, f"it has {size} bytes, the manifest says {int(self.shard_bytes[shard])}")
+            self._etags[shard] = etag
+        return self._etags[shard]
+
+    def _shard_version(self, shard: int, etag: str | None) -> str:
+        """A block cache key of remote shard ``shard``: the store (endpoint, bucket, prefix), the shard's manifest
+        entry and its ETag, so two packs in one cache_dir, a shard packed again under its old name or one replaced
+        on the store never share a block."""
+        entry = json.dumps(self.manifest["shards"][shard], sort_keys=True)
+        return hashlib.sha256(f"{self.store.identity()}|{entry}|{etag}".encode()).hexdigest()[:12]
 
     def _remote_ranges(self, shard: int, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Bytes of ``ranges`` of remote shard ``shard``: through the block cache, or one GET per nearby run."""
-        name = self.shard_names[shard]
+        name, etag = self.shard_names[shard], self._shard_etag(shard)
         if self.blocks is None:
-            return self.store.get_ranges(name, ranges)
-        return self.blocks.read(self.store, name, self._shard_versions[shard], int(self.shard_bytes[shard]), ranges)
+            return self.store.get_ranges(name, ranges, etag=etag)
+        return self.blocks.read(self.store, name, self._shard_version(shard, etag), int(self.shard_bytes[shard]),
+                                ranges, etag=etag)
 
     def verify(self, *, index: bool = True, shards: bool = True) -> None:
         """Check the full SHA-256 of the index and labels and of every shard against the manifest (reads all).
@@ -392,8 +445,10 @@ class ShardedDataset(LabelledDataset):
         self._pid = os.getpid()
 
 
-def _cache_pack_files(store: ObjectStore) -> Path:
-    """The pack's manifest, index and labels in a node-local folder, downloaded when the manifest changed.
+def _cache_pack_files(store: ObjectStore) -> tuple[Path, bool]:
+    """The pack's manifest, index and labels in a node-local folder, downloaded when the manifest changed;
+    returns the folder and whether the index and labels were downloaded now (else: trusted from the cache, to be
+    fetched again if they fail their check).
 
     Several processes of a host may do this at once: every file is written
     atomically, the manifest last, so a reader sees either the old set or the new.
@@ -401,13 +456,17 @@ def _cache_pack_files(store: ObjectStore) -> Path:
     folder = store.cache_folder()
     manifest = store.get(MANIFEST)
     cached = folder / MANIFEST
-    fresh = cached.is_file() and cached.read_bytes() == manifest and (folder / INDEX_FILE).is_file() \
+    kept = cached.is_file() and cached.read_bytes() == manifest and (folder / INDEX_FILE).is_file() \
         and (folder / LABELS_FILE).is_file()
-    if not fresh:
-        store.fetch(INDEX_FILE, folder)
-        store.fetch(LABELS_FILE, folder)
+    if not kept:
+        _fetch_index_files(store, folder)
         atomic_write_bytes(cached, manifest)
-    return folder
+    return folder, not kept
+
+
+def _fetch_index_files(store: ObjectStore, folder: Path) -> None:
+    store.fetch(INDEX_FILE, folder)
+    store.fetch(LABELS_FILE, folder)
 
 
 def _regular_descriptor(path: Path) -> int:
@@ -486,6 +545,7 @@ def _open_index(root: Path, manifest: dict[str, Any], *, verify: bool) -> tuple[
                          f"SHA-256 in {root / MANIFEST}")
     index, labels = arrays
     _check_labels(root, labels, manifest)
+    _check_shard_ids(root, index, manifest)
     return index, labels
 
 
@@ -511,3 +571,37 @@ def _check_labels(root: Path, labels: np.ndarray, manifest: dict[str, Any]) -> N
         first = int(np.flatnonzero(counts != np.asarray(expected, dtype=np.int64))[0])
         raise ShardDamagedError(f"ShardedDataset: {root / LABELS_FILE} gives class {first} {int(counts[first])} samples, "
                          f"{root / MANIFEST} says {int(expected[first])} (damaged on disk? re-run pack)")
+
+
+def _check_shard_ids(root: Path, index: np.ndarray, manifest: dict[str, Any]) -> None:
+    """One pass over the index in blocks: every shard id names a shard of the manifest and every payload lies
+    inside its shard (an id of 2**31 would make the shard-local plan allocate per id, not per shard)."""
+    sizes = np.asarray([int(entry.get("bytes", 0)) for entry in manifest["shards"]], dtype=np.int64)
+    for start, block in _blocks_of(index, 1 << 20):
+        shards = block["shard"].astype(np.int64)
+        bad = np.flatnonzero(shards >= sizes.size)
+        if bad.size:
+            raise ShardDamagedError(f"ShardedDataset: {root / INDEX_FILE} names shard {int(shards[bad[0]])} at sample "
+                                    f"{start + int(bad[0])}; {root / MANIFEST} lists {sizes.size} shards, ids "
+                                    f"[0, {sizes.size}) (damaged on disk? re-run pack)")
+        ends = block["offset"].astype(np.uint64) + block["size"].astype(np.uint64)
+        bad = np.flatnonzero(ends > sizes[shards].astype(np.uint64))
+        if bad.size:
+            i = int(bad[0])
+            raise ShardDamagedError(f"ShardedDataset: {root / INDEX_FILE} puts sample {start + i} at bytes "
+                                    f"[{int(block['offset'][i])}, {int(ends[i])}) of shard {int(shards[i])}, which has "
+                                    f"{int(sizes[shards[i]])} bytes in {root / MANIFEST} (damaged on disk? re-run pack)")
+
+
+def _blocks_of(array: np.ndarray, length: int) -> Iterator[tuple[int, np.ndarray]]:
+    """(start, copy of ``array[start:start + length]``) over the array; a memory-mapped one is read through a file
+    handle, so the pass leaves no mapped pages in the process's resident memory."""
+    filename = getattr(array, "filename", None)
+    if not isinstance(array, np.memmap) or not filename:
+        for start in range(0, array.size, length):
+            yield start, np.asarray(array[start:start + length])
+        return
+    with open(filename, "rb") as handle:
+        handle.seek(array.offset)
+        for start in range(0, array.size, length):
+            yield start, np.fromfile(handle, dtype=array.dtype, count=min(length, array.size - start))

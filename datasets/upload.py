@@ -2,7 +2,10 @@
 
 The shards go first, then ``index.npy`` and ``labels.npy``, and
 ``manifest.json`` last: a reader that finds the manifest finds everything it
-names (the same rule the packer follows on disk). Credentials and endpoint come
+names (the same rule the packer follows on disk). The uploaded manifest adds
+each shard's ETag as the store returned it: readers send it with every
+ranged GET (``If-Match``), so a shard replaced on the store is refused by the
+server, never read. Credentials and endpoint come
 from ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL`` and
 ``AWS_REGION``; none is printed.
 """
@@ -27,15 +30,22 @@ def upload(folder: str | Path, url: str, *, progress: bool = False) -> int:
     if not manifest_path.is_file():
         raise FileNotFoundError(f"upload: no {MANIFEST} in {folder}: pack it first (python -m pksampler.datasets.pack)")
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    names = [entry["name"] for entry in manifest["shards"]] + [INDEX_FILE, LABELS_FILE, MANIFEST]
+    names = [entry["name"] for entry in manifest["shards"]] + [INDEX_FILE, LABELS_FILE]
     store, sent = ObjectStore(url), 0
     for number, name in enumerate(names, 1):
         data = (folder / name).read_bytes()
-        store.put(name, data)
+        etag = store.put(name, data)
+        if number <= len(manifest["shards"]) and etag:
+            manifest["shards"][number - 1]["etag"] = etag  # every ranged GET of the shard then sends If-Match
         sent += len(data)
         if progress:
-            print(f"upload: {number}/{len(names)} {name} ({len(data):,} bytes)", file=sys.stderr, flush=True)
-    return sent
+            print(f"upload: {number}/{len(names) + 1} {name} ({len(data):,} bytes)", file=sys.stderr, flush=True)
+    data = (json.dumps(manifest, indent=1) + "\n").encode("utf-8")
+    store.put(MANIFEST, data)
+    if progress:
+        print(f"upload: {len(names) + 1}/{len(names) + 1} {MANIFEST} ({len(data):,} bytes, with the shards' ETags)",
+              file=sys.stderr, flush=True)
+    return sent + len(data)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,11 +15,12 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+from typing import Any
 
 ACCESS_KEY, SECRET_KEY = "pksampler-test", "pksampler-test-secret-0123456789"
+#: the object a signed round trip writes and reads back before the server counts as started
+READY_BUCKET, READY_KEY = "pksampler-test", "readiness/probe"
 
 
 def _free_ports(count: int) -> list[int]:
@@ -53,7 +54,7 @@ class SeaweedServer:
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": "us-east-1", **changes}
 
     def start(self, timeout: float = 60.0) -> float:
-        """Start ``weed mini``; returns the seconds until the S3 port answered."""
+        """Start ``weed mini``; returns the seconds until it answered a signed PUT and GET (polled, no fixed wait)."""
         weed = Path(sys.executable).with_name("weed")
         command = [str(weed), "mini", f"-dir={self.folder / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                    "-master.telemetry=false", "-webdav=false", "-admin.ui=false", f"-master.port={self.master}",
@@ -68,16 +69,41 @@ class SeaweedServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"weed mini exited with {self.process.returncode}: "
                                    f"{(self.folder / 'weed.log').read_text()[-2000:]}")
-            try:
-                urllib.request.urlopen(self.endpoint, timeout=1)
-            except urllib.error.HTTPError:
-                return time.monotonic() - started  # it answered (403 without credentials)
-            except OSError:
-                time.sleep(0.1)
-                continue
-            return time.monotonic() - started
+            if self._answers_signed_requests():
+                return time.monotonic() - started
+            time.sleep(0.1)
         self.stop()
-        raise RuntimeError(f"weed mini did not answer on {self.endpoint} within {timeout} s")
+        raise RuntimeError(f"weed mini did not answer signed requests on {self.endpoint} within {timeout} s")
+
+    def _answers_signed_requests(self) -> bool:
+        """Whether a signed PUT and GET of a probe object both succeed now.
+
+        The S3 port answers (403 to an unsigned request) before the gateway
+        accepts signatures or reaches its filer: right after a restart it
+        refuses signed requests or answers 500 for a few seconds, longer on a
+        loaded machine. Ready means a real round trip, not an open port.
+        """
+        import obstore
+
+        client = self.client(READY_BUCKET)
+        try:
+            obstore.put(client, READY_KEY, b"ready")
+            return bytes(obstore.get(client, READY_KEY).bytes()) == b"ready"
+        except Exception:  # noqa: BLE001 - any refusal, reset or 5xx means "not yet"
+            return False
+
+    def client(self, bucket: str) -> Any:
+        """A raw obstore client of ``bucket`` with the test's credentials and no retries (for set-up and damage)."""
+        from datetime import timedelta
+
+        from obstore.store import S3Store
+
+        return S3Store(bucket, endpoint=self.endpoint, access_key_id=ACCESS_KEY, secret_access_key=SECRET_KEY,
+                       region="us-east-1", virtual_hosted_style_request=False,
+                       client_options={"allow_http": True, "timeout": timedelta(seconds=5)},
+                       retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5),
+                                     "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                                 "max_backoff": timedelta(seconds=1), "base": 2.0}})
 
     def kill(self) -> None:
         """SIGKILL the server and its children (an outage)."""

@@ -71,9 +71,18 @@ def _report_and_exit(message: str, status: int) -> int:
     return status
 
 
+#: what a rank's collective raises when a peer has exited (its own error says nothing about the cause)
+_PEER_FAILED = ("HorovodInternalError", "DistBackendError")
+
+
 def _report_unexpected(error: BaseException) -> int:
-    """Rank 0 shows the whole traceback; the others one line naming where they failed."""
-    if _rank() == 0:
+    """Rank 0 shows the whole traceback; the others one line naming where they failed. A collective that failed
+    because a peer exited is one line on any rank: the peer reported the cause."""
+    if type(error).__name__ in _PEER_FAILED:
+        print(f"[pksampler] rank {_rank()}: stopped: a collective failed because another rank stopped "
+              f"({type(error).__name__}); that rank's error is above", file=sys.stderr, flush=True)
+        time.sleep(2.0)
+    elif _rank() == 0:
         traceback.print_exc()
         sys.stderr.flush()
     else:
@@ -96,6 +105,7 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     """Parse arguments, load the config, train; returns the exit status (2: config or data error)."""
     args = parse_args(argv)
     from pksampler.datasets import ShardDamagedError
+    from pksampler.datasets.objectstore import ObjectStoreError
     from pksampler.samplers import SamplerMismatchError
     from pksampler.train.config.load import ConfigError, load_config
     from pksampler.train.runtime.distributed import CollectiveTimeout
@@ -119,8 +129,9 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
         # The rank that stopped may be rank 0: every rank that waited says so itself.
         print(f"error: {error}", file=sys.stderr, flush=True)
         return 1
-    except ShardDamagedError as error:
-        # Found by the rank that read the shard (any rank): one line naming the file, no traceback.
+    except (ShardDamagedError, ObjectStoreError) as error:
+        # Found by the rank that read the shard (any rank), perhaps in a DataLoader worker that wrapped it: one line
+        # naming the file or s3:// object, no traceback.
         print(f"error: rank {_rank()}: {_last_line(error)}", file=sys.stderr, flush=True)
         return 2
     except Exception as error:  # noqa: BLE001 - shown once, then a non-zero exit

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -206,12 +207,21 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     num_classes = int(np.asarray(data.dataset.labels).max()) + 1
     spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
                     subcentres=head.subcentres, weight=head.weight)
-    module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed)
+    module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed,
+                               local_ranks=_local_ranks())
     divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
                         grad_divisor=divisor, lr_scale=head.lr_scale)
     neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
     return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck, pair_weight=config.loss.weight)
+
+
+def _local_ranks() -> int:
+    """Ranks on this host, from the launcher (torchrun, Horovod, Open MPI); 1 when none says."""
+    for key in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(key, "").isdigit():
+            return max(1, int(os.environ[key]))
+    return 1
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:

@@ -89,7 +89,7 @@ def test_the_folder_stays_within_its_limit_and_evicted_or_damaged_blocks_are_fet
         assert remote.blocks.usage()[1] <= limit + 2 * BLOCK  # the limit, plus at most the blocks of this read
     assert remote.store.counts()[1] > sum(blocks_of(local, order).values())  # evicted blocks came back
     # a block file cut short (a full disk, a hand edit) is not served: it is fetched again
-    files = sorted(p for p in (tmp_path / "blocks").iterdir() if p.is_file() and not p.name.startswith("."))
+    files = sorted(p for p in remote.blocks.folder.iterdir() if p.is_file() and not p.name.startswith("."))
     shard, sample = files[0].name.split(".tar.")[0] + ".tar", None
     for i in range(len(local)):
         record = local.index[i]

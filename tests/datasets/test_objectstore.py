@@ -104,3 +104,26 @@ def test_the_command_line_upload_and_a_bad_url(local_pack, seaweed, tmp_path):
     with pytest.raises(ValueError, match=r"s3://bucket/prefix, got 's3:///x'"):
         split_url("s3:///x")
     assert cost_usd(1_000_000) == pytest.approx(0.4)
+
+
+def test_a_restarted_server_takes_signed_requests_as_soon_as_start_returns(remote_pack, seaweed):
+    # start() used to return when the S3 port answered at all; the gateway then refused signed requests or
+    # answered 500 for seconds more (longer on a loaded machine), and the next test saw "access denied".
+    from datetime import timedelta
+
+    import obstore
+    from obstore.store import S3Store
+
+    environment = seaweed.environment()
+    for _ in range(6):
+        seaweed.kill()
+        seaweed.start()
+        client = S3Store("pksampler-test", endpoint=environment["AWS_ENDPOINT_URL"],
+                         access_key_id=environment["AWS_ACCESS_KEY_ID"],
+                         secret_access_key=environment["AWS_SECRET_ACCESS_KEY"], region="us-east-1",
+                         virtual_hosted_style_request=False, client_options={"allow_http": True},
+                         retry_config={"max_retries": 0, "retry_timeout": timedelta(seconds=5),
+                                       "backoff": {"init_backoff": timedelta(milliseconds=100),
+                                                   "max_backoff": timedelta(seconds=1), "base": 2.0}})
+        manifest = bytes(obstore.get(client, "packs/demo/manifest.json").bytes())  # no retry: ready means ready
+        assert manifest.startswith(b"{")

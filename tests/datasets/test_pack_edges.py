@@ -63,3 +63,30 @@ def test_odd_extensions_are_stored_under_the_image_format_and_read_by_webdataset
     assert [sorted(k for k in s if not k.startswith("__")) for s in samples] == [["cls", "png"]] * 3
     assert [int(s["cls"]) for s in samples] == [0, 0, 1]
     assert ShardedDataset(tmp_path / "out").load(1).getpixel((0, 0)) == (20, 20, 20)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("shard", 2**31, r"names shard 2147483648 at sample 3; .*manifest\.json lists (\d+) shards, ids \[0, \1\)"),
+    ("offset", 2**40, r"puts sample 3 at bytes \[1099511627776, \d+\) of shard \d, which has \d+ bytes"),
+])
+def test_shard_ids_and_payloads_outside_the_manifest_are_refused_at_open(tmp_path, field, value, message):
+    # An index whose fingerprint matches (a packer's bug, or damage the fingerprint's ends do not cover) with one
+    # shard id of 2**31 made locality: shard allocate 16 GiB per rank, and was a raw ValueError without it.
+    import json
+
+    from pksampler.datasets.sharded import ShardDamagedError, write_index
+
+    for label in range(4):
+        (tmp_path / "src" / f"c{label}").mkdir(parents=True)
+        for view in range(3):
+            (tmp_path / "src" / f"c{label}" / f"{view}.png").write_bytes(png_bytes(16 * label + view))
+    pack(tmp_path / "src", tmp_path / "out", shard_size="8KB")
+    dataset = ShardedDataset(tmp_path / "out")
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    index = np.array(dataset.index)
+    index[3][field] = value
+    extra = {key: value for key, value in manifest.items() if key in ("class_contiguous",)}
+    write_index(tmp_path / "out", index, np.array(dataset.labels), classes=manifest["classes"],
+                shards=manifest["shards"], extra=extra)
+    with pytest.raises(ShardDamagedError, match=message):
+        ShardedDataset(tmp_path / "out")

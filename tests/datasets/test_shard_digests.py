@@ -95,7 +95,7 @@ def large_labels(tmp_path: Path, n: int = 600_000, classes: int = 1000) -> Path:
     index = np.zeros(n, dtype=INDEX_DTYPE)
     labels = np.repeat(np.arange(classes, dtype=np.int64), n // classes)
     write_index(tmp_path, index, labels, classes=[str(c) for c in range(classes)],
-                shards=[{"name": "shard-000000.tar", "bytes": 0, "samples": n}], extra={"class_contiguous": True})
+                shards=[{"name": "shard-000000.tar", "bytes": 1 << 20, "samples": n}], extra={"class_contiguous": True})
     return tmp_path / "labels.npy"
 
 

@@ -289,7 +289,7 @@ def test_ten_million_entry_index_is_memory_mapped(tmp_path):
     index["size"] = 1
     labels = np.repeat(np.arange(classes, dtype=np.int64), n // classes)
     write_index(tmp_path, index, labels, classes=[str(c) for c in range(classes)],
-                shards=[{"name": "shard-000000.tar", "bytes": 0, "samples": n}], extra={"class_contiguous": True})
+                shards=[{"name": "shard-000000.tar", "bytes": 1, "samples": n}], extra={"class_contiguous": True})
     del index, labels
     gc.collect()
     before = _rss_bytes()

@@ -244,8 +244,9 @@ def _check_same_model(workspace: Path, reference: Path) -> None:
     assert max(worst.values()) < SUM_ORDER_TOLERANCE, sorted(worst.items(), key=lambda item: -item[1])[:5]
 
 
-def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_path):
+def test_survivors_below_min_np_end_with_one_clear_error_long_before_horovods_timeout(tmp_path):
     # Horovod alone would wait HOROVOD_ELASTIC_TIMEOUT (600 s by default) and then blame a worker's exit status.
+    # The bound below separates our 25 s wait from those 600 s with room for a loaded machine's teardown.
     run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=4, max_np=4, after_step=2,
                       env={"HOROVOD_ELASTIC_TIMEOUT": "30"})
     took = run.ended_at - run.changed_at
@@ -253,7 +254,7 @@ def test_survivors_below_min_np_end_with_one_clear_error_within_a_minute(tmp_pat
     assert run.returncode != 0, run.output[-3000:]
     assert "[pksampler] error: Horovod elastic: no new world within 25 s" in run.output, run.output[-3000:]
     assert "fewer slots than --min-np" in run.output
-    assert took < 60, f"the job took {took:.0f} s to end after the host left"
+    assert took < 300, f"the job took {took:.0f} s to end after the host left"
 
 
 def _wait_until(ready: Callable[[], bool], process: subprocess.Popen, log: Path, *, timeout: float, what: str) -> None:

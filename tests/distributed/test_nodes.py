@@ -146,9 +146,10 @@ def test_losing_a_node_under_torchrun_elastic_replays_at_most_checkpoint_every_s
     port = free_port()
     command = agent_command(SCRIPT, "--config", str(config), nnodes="1:2", nproc=2, endpoint=f"127.0.0.1:{port}",
                             max_restarts=3)
-    # A store per rendezvous round: torchrun's shared store keeps the last round's gloo addresses, which a
-    # restarted worker can read before its peer overwrites them (connection refused, a restart lost).
-    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # As a user runs it: torchrun's agent store shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE
+    # unset). It keeps the last launch's process-group keys; the workers build their group on a store of each
+    # launch's own (train/runtime/launch_store.py), so the restart after the loss neither hangs nor fails.
+    env = None
     host = start_agent(command, tmp_path / "host.log", env=env)
     lost = None
     try:

@@ -74,3 +74,20 @@ def test_ranks_exit_when_the_torchrun_launcher_is_killed(tmp_path):
                 os.kill(pid, signal.SIGKILL)  # the ranks run in sessions of their own
             except ProcessLookupError:
                 pass
+
+
+def test_a_relaunch_never_reads_the_previous_launchs_process_group_keys():
+    # torchrun's agent store (shared with the workers by default) kept the last launch's gloo addresses under
+    # fixed keys: a relaunched rank that arrived before its peer read the stale address and either failed
+    # ("connection refused", a restart lost) or waited, with its peer, for the whole collective timeout.
+    # Here rank 1 fails after one collective, and in the relaunch rank 0 arrives last, on purpose.
+    script = ROOT / "tests" / "distributed" / "torch_restart.py"
+    command = launch_command("torchrun", script)
+    command[command.index("--nproc_per_node"):command.index("--nproc_per_node")] = ["--max-restarts", "1"]
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}  # as a user runs it
+    done = subprocess.run(command, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                          capture_output=True, text=True, timeout=240, start_new_session=True)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert sorted(line for line in output.splitlines() if line.startswith("[restart-test] attempt 1")) == [
+        "[restart-test] attempt 1 rank 0 sum 3", "[restart-test] attempt 1 rank 1 sum 3"], output[-4000:]

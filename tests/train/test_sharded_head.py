@@ -185,7 +185,7 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     def before(group):
         head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
-        return head_steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict())
+        return head_steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict(everywhere=True))
 
     first = run_ranks(3, before)
     survivors = [first[0], first[2]]  # rank 1's host left; each survivor keeps its own commit

@@ -148,6 +148,11 @@ class LossConfig:
     weight: float = _rule(1.0, rules.non_negative_finite)  # the pair loss's weight; 0: the head alone
 
 
+#: head.scale's bound: the head's softmax offsets logits by the scale in fp64, so a row whose logits all lie near
+#: −scale sums terms of exp(−2·scale), which stay above fp64's smallest (exp(−708)) up to here (insightface: 64)
+MAX_HEAD_SCALE = 300.0
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     """A margin-softmax classification head beside the pair loss, its rows sharded over the ranks.
@@ -162,7 +167,8 @@ class HeadConfig:
     """
 
     name: str | None = _rule(None, rules.optional(rules.choice(lambda: _registry("head"))))
-    scale: float = _rule(30.0, rules.positive_finite)
+    # logits are scale·cos; above 300 a row of the fp64 softmax can underflow to log(0) (insightface uses 64)
+    scale: float = _rule(30.0, rules.left_open_interval(0.0, MAX_HEAD_SCALE))
     margin: float = _rule(0.3, rules.closed_interval(0.0, 1.5))
     # expected sampled negative classes per step (every class when >= the number of classes)
     negatives: int = _rule(8192, rules.positive_int)

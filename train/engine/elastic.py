@@ -247,7 +247,7 @@ class HeadHandler:
         self._saved: dict[str, Any] | None = resumed
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict())
+        self._saved = copy.deepcopy(self.value.state_dict(everywhere=True))
 
     def restore(self) -> None:
         """Nothing yet: the world is gone; the reset that follows re-shards from the committed copy."""

@@ -34,12 +34,16 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from pksampler.train.config.schema import MAX_HEAD_SCALE
+from pksampler.train.errors import ConfigError
+
 __all__ = ["HEADS", "HeadSpec", "ShardedMarginHead", "sampled", "shard_range"]
 
 #: ``head.name`` choices
 HEADS = ("arcface", "cosface", "softmax")
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _INIT_BLOCK = 4096  # classes per initialisation block (a fixed grid, independent of the world size)
+_GATHER_BLOCK_BYTES = 64 << 20  # bytes one collective of a checkpoint's gather brings to each rank
 
 
 class Collectives(Protocol):
@@ -63,6 +67,68 @@ class HeadSpec:
     negatives: int = 8192  # expected sampled negative classes per step (all classes when >= C)
     subcentres: int = 1
     weight: float = 1.0  # the head's loss against the pair loss
+
+    def __post_init__(self) -> None:
+        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or \
+                not 0.0 < self.scale <= MAX_HEAD_SCALE:
+            raise ValueError(f"head.scale: must be in (0, {MAX_HEAD_SCALE:g}], got {self.scale!r} (the softmax "
+                             "offsets logits by the scale in fp64; beyond the bound a row underflows to log(0))")
+
+
+def head_memory(num_classes: int, dim: int, subcentres: int, world: int) -> dict[str, int]:
+    """Bytes one rank holds for the head: its rows and their momentum (fp32, ⌈C/W⌉·k·D each), the row clock
+    (8 bytes a row) and, at a checkpoint, rank 0 the whole head's rows and momentum (``checkpoint``), the
+    others one gathered block at a time (``checkpoint_block``, :meth:`ShardedMarginHead.gather_rows`)."""
+    share = -(-num_classes // max(world, 1)) * subcentres * dim * 4
+    whole = num_classes * subcentres * dim * 4
+    return {"rows": share, "momentum": share, "clock": -(-num_classes // max(world, 1)) * 8,
+            "checkpoint": 2 * whole, "checkpoint_block": min(2 * whole, _GATHER_BLOCK_BYTES)}
+
+
+def available_host_bytes() -> int | None:
+    """Memory this process may still take: MemAvailable, capped by a cgroup limit (v2 or v1); None if unknown."""
+    found: list[int] = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    for path, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(path, encoding="ascii") as limit, open(usage, encoding="ascii") as used:
+                text = limit.read().strip()
+                if text != "max" and int(text) < 1 << 60:
+                    found.append(int(text) - int(used.read().strip()))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int, local_ranks: int = 1,
+                      available: int | None = None) -> None:
+    """Refuse, in one line naming ``head.*`` and C, a head that the host's memory cannot hold.
+
+    The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, rank 0's copy of the whole
+    head (counted on every host: any host may hold rank 0) and the others' blocks; ``available`` defaults to
+    :func:`available_host_bytes` (skipped when unknown).
+    """
+    available = available_host_bytes() if available is None else available
+    if available is None:
+        return
+    need = head_memory(num_classes, dim, subcentres, world)
+    steady = need["rows"] + need["momentum"] + need["clock"]
+    total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
+    if total > available:
+        gib = 1 << 30
+        raise ConfigError(
+            f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
+            f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB on this host ({local_ranks} rank(s) × "
+            f"{steady / gib:.2f} GiB of rows and momentum at W={world}, plus {need['checkpoint'] / gib:.2f} GiB for "
+            f"rank 0's checkpoint copy), but {available / gib:.2f} GiB are available: use fewer classes, a "
+            "smaller model.embedding_dim or head.subcentres, or hosts with more memory")
 
 
 def shard_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
@@ -128,10 +194,12 @@ class ShardedMarginHead(torch.nn.Module):
         seed: keys the initial rows and the negative draw.
     """
 
-    def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0) -> None:
+    def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0,
+                 local_ranks: int = 1) -> None:
         super().__init__()
         if spec.name not in HEADS:
             raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
+        check_head_memory(num_classes, dim, spec.subcentres, world=collectives.size, local_ranks=local_ranks)
         self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
@@ -203,13 +271,41 @@ class ShardedMarginHead(torch.nn.Module):
         return loss.mean().float()
 
     # --- state: the whole head, keyed by class id, the same at every world size ---------------------------
-    def gather_rows(self, local: torch.Tensor) -> torch.Tensor:
-        """Every rank's rows of ``local`` (this rank's ``(rows, ...)`` tensor), concatenated in class order."""
-        return self.collectives.allgather(local.contiguous()) if self.collectives.size > 1 else local
+    def gather_rows(self, local: torch.Tensor, *, everywhere: bool = False) -> torch.Tensor | None:
+        """Every rank's rows of ``local`` (this rank's ``(rows, ...)`` tensor) in class order, on the host.
 
-    def state_dict_rows(self) -> dict[str, Any]:
-        return {"rows": self.gather_rows(self.rows).cpu(), "step": self.step, "num_classes": self.num_classes,
-                "subcentres": self.spec.subcentres, "dim": self.dim}
+        By default only rank 0 receives them (None elsewhere), gathered in blocks of about
+        ``_GATHER_BLOCK_BYTES`` per collective, so the other ranks hold one block at a time, not the whole head
+        (at 10⁷ × 128 classes that is 9.5 GiB per rank less at a checkpoint). ``everywhere``: one all-gather,
+        every rank receives the whole head (Horovod elastic's in-memory commit).
+        """
+        if self.collectives.size == 1:
+            return local.cpu()
+        if everywhere:
+            return self.collectives.allgather(local.contiguous()).cpu()
+        world, rank = self.collectives.size, self.collectives.rank
+        ranges = [shard_range(self.num_classes, world, r) for r in range(world)]
+        row_bytes = max(1, local[:1].numel() * local.element_size())
+        block = max(1, _GATHER_BLOCK_BYTES // (world * row_bytes))
+        longest = max(hi - lo for lo, hi in ranges)
+        out = torch.empty((self.num_classes, *local.shape[1:]), dtype=local.dtype) if rank == 0 else None
+        for start in range(0, longest, block):
+            rows = min(block, longest - start)
+            mine = local[start:start + rows]
+            padded = torch.zeros((rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
+            padded[:mine.shape[0]] = mine
+            gathered = self.collectives.allgather(padded)
+            if out is not None:
+                for r, (lo, hi) in enumerate(ranges):
+                    take = max(0, min(rows, hi - lo - start))
+                    out[lo + start:lo + start + take] = gathered[r * rows:r * rows + take].cpu()
+            del gathered
+        return out
+
+    def state_dict_rows(self, *, everywhere: bool = False) -> dict[str, Any]:
+        """The whole head's rows by class id (rank 0 only unless ``everywhere``; see :meth:`gather_rows`)."""
+        return {"rows": self.gather_rows(self.rows, everywhere=everywhere), "step": self.step,
+                "num_classes": self.num_classes, "subcentres": self.spec.subcentres, "dim": self.dim}
 
     def load_state_dict_rows(self, saved: dict[str, Any]) -> None:
         shape = (self.num_classes, self.spec.subcentres, self.dim)

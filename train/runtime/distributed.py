@@ -37,9 +37,12 @@ from pksampler import comm
 
 from pksampler.train.runtime.device import (DeviceSetup, horovod_cpu_defaults, horovod_elastic_defaults,
                                             setup_device)
+from pksampler.train.runtime.launch_store import launch_store
 
 __all__ = ["Backend", "CollectiveTimeout", "HorovodBackend", "TorchBackend", "make_backend"]
 
+#: the longest a torchrun rank waits for its launch's process group to connect (then it exits and is restarted)
+_CONNECT_SECONDS = 180.0
 #: how often a torchrun rank checks that its launcher is still alive (seconds)
 _PARENT_POLL_SECONDS = 1.0
 _TIMEOUT_MESSAGE = re.compile(r"timed? ?out|timeout", re.IGNORECASE)
@@ -196,12 +199,8 @@ class TorchBackend(Backend):
         found = comm.launcher_world()
         local = found[2] if found is not None else 0
         setup = setup_device(device, precision, local)  # pin the GPU before NCCL starts
-        timeout = datetime.timedelta(seconds=collective_timeout)
         if not dist.is_initialized():
-            if setup.is_cuda:
-                dist.init_process_group(backend="nccl", device_id=setup.device, timeout=timeout)
-            else:
-                dist.init_process_group(backend="gloo", timeout=timeout)
+            _init_process_group(dist, "nccl" if setup.is_cuda else "gloo", setup, collective_timeout)
         self.dist = dist
         super().__init__(device, precision, setup=setup)
         self.collective_timeout = collective_timeout
@@ -293,6 +292,22 @@ class TorchBackend(Backend):
 
     def shutdown(self) -> None:
         self.dist.destroy_process_group()
+
+
+def _init_process_group(dist: Any, backend: str, setup: DeviceSetup, collective_timeout: float) -> None:
+    """``init_process_group`` on a store of this launch's own under torchrun (:mod:`.launch_store`: the agent's
+    shared store keeps the last launch's gloo addresses and NCCL id), its first connect bounded by
+    ``_CONNECT_SECONDS`` so a stall becomes a restart; the collectives then wait ``collective_timeout``."""
+    connect = min(collective_timeout, _CONNECT_SECONDS)
+    rank = int(os.environ.get("RANK", "0"))
+    store = launch_store(rank, connect_seconds=connect)
+    options: dict[str, Any] = {"device_id": setup.device} if backend == "nccl" else {}
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout), **options)
+        return
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
+                            timeout=datetime.timedelta(seconds=connect), **options)
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=collective_timeout))
 
 
 def _exit_with_launcher(rank: int) -> None:

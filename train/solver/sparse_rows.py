@@ -100,10 +100,13 @@ class SparseRowSGD:
         self.head.rows.mul_(self._decay_since()[:, None, None])
         self.moved_at.fill_(self.steps)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Rows and momentum of the whole head, keyed by class id (gathered from every rank), decay settled."""
+    def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:
+        """Rows and momentum of the whole head, keyed by class id, decay settled (a collective: every rank calls
+        it). Gathered to rank 0 in blocks (``rows`` and ``momentum`` are None on the others), or to every rank
+        with ``everywhere`` (Horovod elastic's in-memory commit)."""
         self.settle()
-        return {**self.head.state_dict_rows(), "momentum": self.head.gather_rows(self.buffer).cpu(),
+        return {**self.head.state_dict_rows(everywhere=everywhere),
+                "momentum": self.head.gather_rows(self.buffer, everywhere=everywhere),
                 "log_decay": self.log_decay.clone()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -165,9 +168,10 @@ class HeadedLoss:
         self.row_optimizer.buffer = self.row_optimizer.buffer.to(device)
         return self
 
-    def state_dict(self) -> dict[str, Any]:
-        """The pair loss's state and the whole head (a collective: every rank calls it together)."""
-        state = {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict()}
+    def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:
+        """The pair loss's state and the whole head (a collective: every rank calls it together; the head's rows
+        and momentum reach rank 0 only unless ``everywhere``, see :meth:`SparseRowSGD.state_dict`)."""
+        state = {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict(everywhere=everywhere)}
         if self.neck is not None:
             state["neck"] = self.neck.state_dict()
         return state
