@@ -42,6 +42,8 @@ __all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "build_
 
 INDEX_FILE, METADATA_FILE = "index.faiss", "index.json"
 INDEX_KINDS = ("auto", "flat", "ivfflat", "ivfpq")
+#: the fewest results a search asks faiss for (see :func:`search`)
+MIN_SEARCH_K = 10
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,8 @@ def _fill(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, An
     count = manifest["count"]
     if kind != "flat":
         ivf = faiss.extract_index_ivf(index)
-        size = min(count, ivf.nlist * options.train_per_list)
+        # PQ's codebooks (256 centroids per sub-vector) want about 40 vectors per centroid as well
+        size = min(count, max(ivf.nlist * options.train_per_list, 10_000 if kind == "ivfpq" else 0))
         rng = np.random.default_rng([options.seed, 1])
         sample, _ = _rows(catalogue, manifest, np.sort(rng.choice(count, size=size, replace=False)))
         if size < ivf.nlist:
@@ -158,10 +161,16 @@ def _drop_self(distances: np.ndarray, ids: np.ndarray, own: np.ndarray, k: int) 
 
 def search(index: faiss.Index, queries: np.ndarray, k: int, *, nprobe: int | None = None
            ) -> tuple[np.ndarray, np.ndarray]:
-    """``(D, I)``: the top-``k`` similarities and ids, at ``nprobe`` lists for an IVF index."""
+    """``(D, I)``: the top-``k`` similarities and ids, at ``nprobe`` lists for an IVF index.
+
+    At least :data:`MIN_SEARCH_K` results are searched and the first ``k``
+    kept: an IVF-PQ re-rank looks at ``refine_factor * k`` candidates, so a
+    top-1 search would otherwise re-rank fewer than the certificate did.
+    """
     if nprobe is not None:
         faiss.extract_index_ivf(index).nprobe = nprobe
-    return index.search(np.ascontiguousarray(queries, dtype=np.float32), k)
+    distances, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(k, MIN_SEARCH_K))
+    return distances[:, :k], ids[:, :k]
 
 
 def _recalls(found_d: np.ndarray, found_i: np.ndarray, exact_d: np.ndarray, exact_i: np.ndarray) -> tuple[float, float]:
