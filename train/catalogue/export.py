@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,15 @@ def export_onnx(model: LoadedModel, path: str | Path) -> Path:
     path = Path(path)
     with tempfile.TemporaryDirectory(dir=path.parent if path.parent.is_dir() else None) as scratch:
         raw = Path(scratch) / "raw.onnx"
-        torch.onnx.export(model.serving(), (_example(model),), str(raw), input_names=["images"],
-                          output_names=["embeddings"], dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}},
-                          opset_version=OPSET, dynamo=False)
+        with warnings.catch_warnings():
+            # The TorchScript-based exporter traces once: it warns that the input checks of the centre crop
+            # (dtype, rank, side) become constants, which is what they are for a fixed input size.
+            warnings.simplefilter("ignore", category=torch.jit.TracerWarning)
+            warnings.simplefilter("ignore", category=DeprecationWarning)
+            torch.onnx.export(model.serving(), (_example(model),), str(raw), input_names=["images"],
+                              output_names=["embeddings"],
+                              dynamic_axes={"images": {0: "batch"}, "embeddings": {0: "batch"}},
+                              opset_version=OPSET, dynamo=False)
         proto = onnx.load(str(raw))
     onnx.checker.check_model(proto)
     entry = proto.metadata_props.add()
