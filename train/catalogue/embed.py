@@ -85,22 +85,38 @@ def _batches(plan: PartPlan, parts: list[int], batch_size: int) -> list[list[int
 
 
 class _Progress:
-    """Rank 0's progress lines: parts done, images, images per second on this rank."""
+    """Rank 0's progress lines, every ``every`` seconds and at its last part: parts, images, images per second."""
 
     def __init__(self, rank: int, world: int, todo: int, every: float) -> None:
         self.rank, self.world, self.todo, self.every = rank, world, todo, every
         self.start = self.last = time.monotonic()
         self.parts = self.images = self.bad = 0
 
-    def part_done(self, images: int, bad: int) -> None:
-        self.parts, self.images, self.bad = self.parts + 1, self.images + images, self.bad + bad
+    def batch_done(self, images: int, *, bad: int = 0, part_finished: bool = False) -> None:
+        self.images, self.bad = self.images + images, self.bad + bad
+        self.parts += int(part_finished)
         now = time.monotonic()
-        if self.rank == 0 and (now - self.last >= self.every or self.parts == self.todo):
+        if self.rank == 0 and (now - self.last >= self.every or (part_finished and self.parts == self.todo)):
             self.last = now
             rate = self.images / max(now - self.start, 1e-9)
+            overall = f" (about {rate * self.world:.0f} img/s over {self.world} ranks)" if self.world > 1 else ""
             print(f"[pksampler] embed: rank 0 finished {self.parts}/{self.todo} of its parts, {self.images} images, "
-                  f"{rate:.0f} img/s (about {rate * self.world:.0f} img/s over {self.world} ranks), "
-                  f"{self.bad} bad", flush=True)
+                  f"{rate:.0f} img/s{overall}, {self.bad} bad", flush=True)
+
+
+def _write(out: Path, model: LoadedModel, plan: PartPlan, part: int, pending: dict[str, list], backend: Backend, *,
+           seconds: float) -> None:
+    """A finished part's readable rows, their ids and its record (bad ids, counts, model digest)."""
+    start, stop = plan.bounds(part)
+    keep = np.concatenate(pending["ok"])
+    embeddings = np.concatenate(pending["emb"])[keep]
+    check_finite(embeddings, f"part {part} (ids {start}..{stop - 1})")
+    ids = np.arange(start, stop, dtype=np.int64)
+    write_part(out, part, embeddings, ids[keep], {
+        "first": start, "stop": stop, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
+        "model_digest": model.digest, "part_size": plan.part_size, "total": plan.total,
+        "dim": int(embeddings.shape[1]), "seconds": round(seconds, 3), "rank": backend.rank,
+        "world_size": backend.size})
 
 
 def _embed_parts(model: LoadedModel, network: torch.nn.Module, dataset: LabelledDataset, plan: PartPlan,
@@ -124,17 +140,11 @@ def _embed_parts(model: LoadedModel, network: torch.nn.Module, dataset: Labelled
             with setup.autocast():
                 pending["emb"].append(network(to_model_input(images, setup, view)).float().cpu().numpy())
             pending["ok"].append(ok.numpy())
-            if sum(len(o) for o in pending["ok"]) == stop - start:
-                keep = np.concatenate(pending["ok"])
-                embeddings = np.concatenate(pending["emb"])[keep]
-                check_finite(embeddings, f"part {part} (ids {start}..{stop - 1})")
-                ids = np.arange(start, stop, dtype=np.int64)
-                write_part(out, part, embeddings, ids[keep], {
-                    "first": start, "stop": stop, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
-                    "model_digest": model.digest, "part_size": plan.part_size, "total": plan.total,
-                    "dim": int(embeddings.shape[1]), "seconds": round(time.monotonic() - part_started, 3),
-                    "rank": backend.rank, "world_size": backend.size})
-                progress.part_done(stop - start, int((~keep).sum()))
+            if sum(len(o) for o in pending["ok"]) < stop - start:
+                progress.batch_done(len(ok), bad=int((~ok).sum()))
+            else:
+                _write(out, model, plan, part, pending, backend, seconds=time.monotonic() - part_started)
+                progress.batch_done(len(ok), bad=int((~ok).sum()), part_finished=True)
                 pending, part = {"emb": [], "ok": []}, None
     return progress.images, time.monotonic() - started
 

@@ -38,7 +38,7 @@ from pksampler.train.engine.checkpoint import CheckpointError, load_checkpoint
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.model import build_model
 
-__all__ = ["LoadedModel", "ServingModel", "load_model", "preprocessing_of"]
+__all__ = ["LoadedModel", "ServingModel", "check_finite", "load_model", "preprocessing_of"]
 
 
 def preprocessing_of(image_size: int) -> dict[str, Any]:
