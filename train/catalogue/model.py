@@ -115,7 +115,10 @@ def load_model(checkpoint: str | Path) -> LoadedModel:
     checkpoint or its tensors do not fit the architecture its config names.
     """
     path = Path(checkpoint)
-    state = load_checkpoint(path)
+    try:
+        state = load_checkpoint(path)
+    except CheckpointError as error:
+        raise CheckpointError(f"--checkpoint: {error}") from None
     if not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"--checkpoint: {path} holds no 'model' and 'config' sections; pass a best.pt or "
                               "last.pt written by train/retrieval.py")
