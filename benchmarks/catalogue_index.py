@@ -19,6 +19,7 @@ process then builds the index with the defaults of ``train/build_index.py``
 Usage::
 
     flock /tmp/pksampler-heavy.lock python benchmarks/catalogue_index.py               # 10^7 x 128
+    flock /tmp/pksampler-heavy.lock python benchmarks/catalogue_index.py --kind ivfpq   # codes + re-rank from the parts
     python benchmarks/catalogue_index.py --count 200000                                   # a quick look
 """
 
@@ -63,7 +64,7 @@ def generate(folder: Path, count: int, dim: int, seed: int = 0) -> None:
                             "dim": dim, "count": count, "bad": 0, "bad_ids": [], "parts": entries})
 
 
-def build_and_measure(catalogue: Path, out: Path, latency_queries: int) -> dict:
+def build_and_measure(catalogue: Path, out: Path, latency_queries: int, kind: str) -> dict:
     """In this (fresh) process: a pass over the parts, the build, then single-query latencies."""
     import faiss
 
@@ -74,10 +75,11 @@ def build_and_measure(catalogue: Path, out: Path, latency_queries: int) -> dict:
     started = time.perf_counter()
     total = sum(len(ids) for _, _, ids in iter_parts(catalogue, manifest, mmap=False))  # reads every byte
     read_seconds = time.perf_counter() - started
-    meta = build_index(catalogue, out, options=IndexOptions())
+    meta = build_index(catalogue, out, options=IndexOptions(kind=kind))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     del meta
-    index, meta = load_index(out)
+    searcher = load_index(out)
+    meta = searcher.metadata
     faiss.omp_set_num_threads(1)
     rng = np.random.default_rng(7)
     queries = rng.standard_normal((latency_queries, manifest["dim"]), dtype=np.float32)
@@ -85,7 +87,7 @@ def build_and_measure(catalogue: Path, out: Path, latency_queries: int) -> dict:
     times = []
     for q in queries:
         t = time.perf_counter()
-        index.search(q[None], 10)
+        searcher.search(q[None], 10)
         times.append(time.perf_counter() - t)
     scan = queries[:5]
     t = time.perf_counter()
@@ -108,17 +110,20 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--folder", type=Path, default=Path("workspace/bench-catalogue-index"))
     parser.add_argument("--latency-queries", type=int, default=200)
+    parser.add_argument("--kind", default="auto", help="the index kind (default: build_index.py's default)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    catalogue, out = args.folder / f"catalogue-{args.count}x{args.dim}", args.folder / f"index-{args.count}x{args.dim}"
+    catalogue = args.folder / f"catalogue-{args.count}x{args.dim}"
+    out = args.folder / f"index-{args.count}x{args.dim}-{args.kind}"
     if args.child:
-        print(json.dumps(build_and_measure(catalogue, out, args.latency_queries)))
+        print(json.dumps(build_and_measure(catalogue, out, args.latency_queries, args.kind)))
         return
     started = time.perf_counter()
     generate(catalogue, args.count, args.dim)
     print(f"catalogue: {args.count} x {args.dim} in {catalogue} ({time.perf_counter() - started:.0f} s)", flush=True)
     child = subprocess.run([sys.executable, __file__, "--child", "--count", str(args.count), "--dim", str(args.dim),
-                            "--folder", str(args.folder), "--latency-queries", str(args.latency_queries)],
+                            "--folder", str(args.folder), "--latency-queries", str(args.latency_queries),
+                            "--kind", args.kind],
                            capture_output=True, text=True, check=True)
     result = json.loads(child.stdout.strip().splitlines()[-1])
     print(json.dumps(result, indent=1))

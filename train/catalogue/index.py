@@ -3,7 +3,10 @@
 1. The kind: exact (``flat``: ``IndexFlatIP`` behind an id map) up to
    ``flat_limit`` vectors (10^6 by default), above that ``ivfflat``
    (``IndexIVFFlat``, ``nlist`` a power of two near sqrt(N)); ``ivfpq``
-   (``IndexIVFPQ`` with an exact re-rank by ``IndexRefineFlat``) on request.
+   on request: ``IndexIVFPQ`` codes in memory (``pq_bytes`` per vector), and
+   an exact re-rank of ``refine_factor * k`` candidates with the vectors
+   read from the catalogue's memory-mapped parts (:class:`~.parts.PartVectors`),
+   so the index's memory is the codes', not the vectors'.
    Embeddings are L2-normalised, so inner product is cosine similarity.
 2. Vectors are read one part at a time (memory-mapped): the IVF quantiser
    trains on a seeded sample of ``train_per_list`` vectors per list, then
@@ -35,10 +38,11 @@ import numpy as np
 
 from pksampler.files import atomic_write_text, atomic_writer
 
-from pksampler.train.catalogue.parts import iter_parts, read_manifest
+from pksampler.train.catalogue.parts import PartVectors, iter_parts, read_manifest
 from pksampler.train.errors import ConfigError
 
-__all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "build_index", "load_index", "search"]
+__all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "Searcher", "build_index", "load_index",
+           "search"]
 
 INDEX_FILE, METADATA_FILE = "index.faiss", "index.json"
 INDEX_KINDS = ("auto", "flat", "ivfflat", "ivfpq")
@@ -113,10 +117,7 @@ def _empty_index(kind: str, dim: int, count: int, options: IndexOptions) -> fais
     nlist = _nlist(options, count)
     if kind == "ivfflat":
         return faiss.IndexIVFFlat(quantizer, dim, nlist, faiss.METRIC_INNER_PRODUCT)
-    ivf = faiss.IndexIVFPQ(quantizer, dim, nlist, _pq_bytes(options, dim), 8, faiss.METRIC_INNER_PRODUCT)
-    refined = faiss.IndexRefineFlat(ivf)
-    refined.k_factor = float(options.refine_factor)  # faiss's wrappers keep the sub-indexes alive
-    return faiss.IndexIDMap2(refined)
+    return faiss.IndexIVFPQ(quantizer, dim, nlist, _pq_bytes(options, dim), 8, faiss.METRIC_INNER_PRODUCT)
 
 
 def _fill(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, Any], options: IndexOptions) -> None:
@@ -159,18 +160,39 @@ def _drop_self(distances: np.ndarray, ids: np.ndarray, own: np.ndarray, k: int) 
     return np.take_along_axis(distances, order, 1), np.take_along_axis(ids, order, 1)
 
 
-def search(index: faiss.Index, queries: np.ndarray, k: int, *, nprobe: int | None = None
-           ) -> tuple[np.ndarray, np.ndarray]:
+def search(index: faiss.Index, queries: np.ndarray, k: int, *, nprobe: int | None = None,
+           rerank: PartVectors | None = None, refine_factor: int = 4) -> tuple[np.ndarray, np.ndarray]:
     """``(D, I)``: the top-``k`` similarities and ids, at ``nprobe`` lists for an IVF index.
 
     At least :data:`MIN_SEARCH_K` results are searched and the first ``k``
-    kept: an IVF-PQ re-rank looks at ``refine_factor * k`` candidates, so a
-    top-1 search would otherwise re-rank fewer than the certificate did.
+    kept, so a top-1 search sees what the certificate saw. With ``rerank``,
+    ``refine_factor`` times as many candidates are taken from the index and
+    ordered by their exact inner product with the query.
     """
     if nprobe is not None:
         faiss.extract_index_ivf(index).nprobe = nprobe
-    distances, ids = index.search(np.ascontiguousarray(queries, dtype=np.float32), max(k, MIN_SEARCH_K))
+    queries = np.ascontiguousarray(queries, dtype=np.float32)
+    wanted = max(k, MIN_SEARCH_K) * (refine_factor if rerank is not None else 1)
+    distances, ids = index.search(queries, wanted)
+    if rerank is not None:
+        vectors = rerank(ids).reshape(*ids.shape, -1)
+        distances = np.where(ids >= 0, np.einsum("qd,qkd->qk", queries, vectors), -np.inf).astype(np.float32)
+        order = np.argsort(-distances, axis=1, kind="stable")
+        distances, ids = np.take_along_axis(distances, order, 1), np.take_along_axis(ids, order, 1)
     return distances[:, :k], ids[:, :k]
+
+
+@dataclass
+class Searcher:
+    """A loaded index, its metadata and, for ``ivfpq``, the re-rank over the catalogue's parts."""
+
+    index: faiss.Index
+    metadata: dict[str, Any]
+    rerank: PartVectors | None = None
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        return search(self.index, queries, k, rerank=self.rerank,
+                      refine_factor=self.metadata["options"]["refine_factor"])
 
 
 def _recalls(found_d: np.ndarray, found_i: np.ndarray, exact_d: np.ndarray, exact_i: np.ndarray) -> tuple[float, float]:
@@ -196,14 +218,16 @@ def _certify(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str,
     exact_d, exact_i = _drop_self(*_exact(catalogue, manifest, vectors, k + 1), own, k)
     half = size // 2 if kind != "flat" and size >= 2 else 0
     nprobe = None
+    exact_search = {"rerank": PartVectors(catalogue) if kind == "ivfpq" else None,
+                    "refine_factor": options.refine_factor}
     if kind != "flat":
         nlist = faiss.extract_index_ivf(index).nlist
         for nprobe in [2 ** e for e in range(int(math.log2(nlist)) + 1)] + [nlist]:
-            d, i = _drop_self(*search(index, vectors[:half], k + 1, nprobe=nprobe), own[:half], k)
+            d, i = _drop_self(*search(index, vectors[:half], k + 1, nprobe=nprobe, **exact_search), own[:half], k)
             if _recalls(d, i, exact_d[:half], exact_i[:half])[0] >= options.target:
                 break
     started = time.perf_counter()
-    d, i = _drop_self(*search(index, vectors[half:], k + 1, nprobe=nprobe), own[half:], k)
+    d, i = _drop_self(*search(index, vectors[half:], k + 1, nprobe=nprobe, **exact_search), own[half:], k)
     seconds = time.perf_counter() - started
     r1, r10 = _recalls(d, i, exact_d[half:], exact_i[half:])
     q = size - half
@@ -261,8 +285,8 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
     return metadata
 
 
-def load_index(folder: str | Path) -> tuple[faiss.Index, dict[str, Any]]:
-    """The index of ``folder`` and its metadata, checked against each other (size) and set to its nprobe."""
+def load_index(folder: str | Path) -> Searcher:
+    """The index of ``folder``, checked against its metadata (size), set to its nprobe, ready to search."""
     folder = Path(folder)
     try:
         metadata = json.loads((folder / METADATA_FILE).read_text(encoding="utf-8"))
@@ -275,4 +299,5 @@ def load_index(folder: str | Path) -> tuple[faiss.Index, dict[str, Any]]:
     index = faiss.read_index(str(path))
     if metadata.get("nprobe") is not None:
         faiss.extract_index_ivf(index).nprobe = metadata["nprobe"]
-    return index, metadata
+    rerank = PartVectors(metadata["catalogue"]) if metadata["kind"] == "ivfpq" else None
+    return Searcher(index, metadata, rerank)

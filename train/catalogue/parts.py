@@ -32,7 +32,7 @@ from pksampler.files import atomic_write_bytes, atomic_write_text
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["MANIFEST", "PartPlan", "check_existing_parts", "finished", "iter_parts", "part_name", "read_manifest",
+__all__ = ["MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "finished", "iter_parts", "part_name", "read_manifest",
            "read_part", "write_manifest", "write_part"]
 
 MANIFEST = "manifest.json"
@@ -161,3 +161,32 @@ def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True
         if entry["count"]:
             embeddings, ids = read_part(Path(out), entry["part"], mmap=mmap)
             yield entry["part"], embeddings, ids
+
+
+class PartVectors:
+    """Catalogue vectors by global id, read from the memory-mapped parts (the exact re-rank of an IVF-PQ index).
+
+    Part ``id // part_size`` holds an id; its row is found by a binary search
+    of the part's ids (ascending; bad images' ids are missing). Only the pages
+    of the rows asked for are read.
+    """
+
+    def __init__(self, catalogue: str | Path) -> None:
+        self.catalogue = Path(catalogue)
+        manifest = read_manifest(self.catalogue)
+        self.part_size, self.dim = int(manifest["plan"]["part_size"]), int(manifest["dim"])
+        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        """``(len(ids), dim)`` float32; rows of ids < 0 (no result) are zeros."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = np.zeros((ids.size, self.dim), dtype=np.float32)
+        valid = ids >= 0
+        parts = ids // self.part_size
+        for part in np.unique(parts[valid]).tolist():
+            if part not in self._open:
+                self._open[part] = read_part(self.catalogue, part)
+            embeddings, part_ids = self._open[part]
+            chosen = valid & (parts == part)
+            out[chosen] = embeddings[np.searchsorted(part_ids, ids[chosen])]
+        return out

@@ -29,7 +29,7 @@ from pksampler.datasets import ImageLoadError, load_rgb
 from pksampler.datasets._image import IMAGE_EXTENSIONS
 from pksampler.files import atomic_write_text
 
-from pksampler.train.catalogue.index import load_index, search
+from pksampler.train.catalogue.index import load_index
 from pksampler.train.catalogue.model import LoadedModel, load_model
 from pksampler.train.catalogue.sources import open_source
 from pksampler.train.errors import ConfigError
@@ -100,7 +100,8 @@ def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: 
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"--k: must be a positive int, got {k!r}")
-    index, metadata = load_index(index_folder)
+    searcher = load_index(index_folder)
+    metadata = searcher.metadata
     model = load_model(checkpoint)
     if model.digest != metadata["model"]["digest"]:
         raise ConfigError(f"--checkpoint: {checkpoint} is not the model the catalogue was embedded with (digest "
@@ -109,7 +110,7 @@ def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: 
     paths = query_paths(items)
     embeddings, images, errors = _embed_queries(model, paths)
     k = min(k, metadata["count"])
-    similarities, ids = search(index, embeddings, k) if len(embeddings) else (np.zeros((0, k)), np.zeros((0, k)))
+    similarities, ids = searcher.search(embeddings, k) if len(embeddings) else (np.zeros((0, k)), np.zeros((0, k)))
     dataset = open_source(metadata["source"]["location"], decode_size=96)
     lines, found = [], iter(zip(similarities.tolist(), ids.tolist()))
     for path, error in zip(paths, errors):
