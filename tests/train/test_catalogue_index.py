@@ -85,6 +85,26 @@ def test_an_approximate_index_carries_a_certificate_it_meets(tmp_path, kind):
     assert (found[:, 0] == exact).mean() >= 0.97
 
 
+def test_ivfflat_lists_filled_in_place_hold_what_add_with_ids_puts_there(tmp_path):
+    import faiss
+
+    vectors = clustered(3000, 16, classes=100, seed=3)
+    catalogue = fake_catalogue(tmp_path / "cat", vectors, part_size=700, missing=(5, 1500))
+    build_index(catalogue, tmp_path / "index", options=IndexOptions(kind="ivfflat", nlist=16, queries=100))
+    built = load_index(tmp_path / "index").index
+    plain = faiss.IndexIVFFlat(faiss.IndexFlatIP(16), 16, 16, faiss.METRIC_INNER_PRODUCT)
+    plain.quantizer.add(built.quantizer.reconstruct_n(0, 16))
+    plain.is_trained = True
+    kept = np.array([i for i in range(3000) if i not in (5, 1500)])
+    plain.add_with_ids(vectors[kept], kept)
+    assert built.ntotal == plain.ntotal == 2998
+    for number in range(16):
+        assert np.array_equal(faiss.rev_swig_ptr(built.invlists.get_ids(number), built.invlists.list_size(number)),
+                              faiss.rev_swig_ptr(plain.invlists.get_ids(number), plain.invlists.list_size(number)))
+    plain.nprobe = built.nprobe
+    assert np.array_equal(built.search(vectors[:40], 5)[1], plain.search(vectors[:40], 5)[1])
+
+
 def test_the_index_refuses_a_file_that_does_not_match_its_metadata(tmp_path):
     catalogue = fake_catalogue(tmp_path / "cat", clustered(50, 8, classes=5), part_size=20)
     build_index(catalogue, tmp_path / "index")
