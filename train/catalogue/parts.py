@@ -32,8 +32,8 @@ from pksampler.files import atomic_write_bytes, atomic_write_text
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "finished", "iter_parts", "part_name", "read_manifest",
-           "read_part", "write_manifest", "write_part"]
+__all__ = ["MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "finished", "iter_parts", "part_name",
+           "read_manifest", "read_part", "write_manifest", "write_part"]
 
 MANIFEST = "manifest.json"
 PART_FORMAT = "pksampler-catalogue-part"
