@@ -14,6 +14,7 @@ that met them, left out of their part (their ids are missing from
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
 from dataclasses import dataclass
@@ -149,6 +150,21 @@ def _embed_parts(model: LoadedModel, network: torch.nn.Module, dataset: Labelled
     return progress.images, time.monotonic() - started
 
 
+def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, data: str, out: Path) -> None:
+    """Every rank embeds the same model, catalogue and cut into the same folder, or every rank raises."""
+    if backend.size == 1:
+        return
+    text = f"{model.digest}|{plan.total}|{plan.part_size}|{data}|{out.resolve()}"
+    row = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64).copy()
+    rows = backend.allgather_numpy(row)
+    if not (rows == rows[0]).all():
+        differing = sorted({r for r in range(len(rows)) if not (rows[r] == rows[0]).all()})
+        raise ConfigError(f"--checkpoint/--data/--out/--part-size: rank(s) {differing} were given another model, "
+                          f"catalogue, part size or output folder than rank 0 (this rank: {plan.total} images at "
+                          f"{data}, parts of {plan.part_size}, model {model.digest[:12]}, {out}); start every rank "
+                          "with the same arguments")
+
+
 def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend: Backend, *,
                     options: EmbedOptions = EmbedOptions()) -> dict[str, Any] | None:
     """Embed every image at ``data`` with the model of ``checkpoint`` into parts under ``out``.
@@ -163,6 +179,7 @@ def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend:
     dataset = open_source(data, decode_size=model.input_size)
     dataset.transform = model.worker_transform()
     plan = PartPlan(len(dataset), options.part_size)
+    _check_ranks_agree(backend, model, plan, data, out)
     check_existing_parts(out, plan, model.digest)
     mine = plan.parts_of(backend.rank, backend.size)
     todo = [p for p in mine if not finished(out, plan, p, model.digest)]
