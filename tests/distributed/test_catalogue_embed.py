@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from catalogue_fixtures import make_checkpoint, render_folder
-from launch import ROOT, horovodrun
+from launch import HOROVODRUN, ROOT, horovodrun, rank_tracebacks
 from PIL import Image
 
 from pksampler.train.catalogue.embed import EmbedOptions, embed_catalogue
@@ -94,3 +96,18 @@ def test_two_ranks_write_the_parts_of_one_process_and_a_restart_skips_finished_o
         embed_catalogue(other, str(data), tmp_path / "two", Backend(), options=options)
     with pytest.raises(ConfigError, match=r"--checkpoint: .*other\.pt is not the model the catalogue was embedded"):
         query_catalogue(tmp_path / "index", [query], tmp_path / "results", checkpoint=other)
+
+
+def test_ranks_given_different_catalogues_stop_together_with_one_line(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    render_folder(tmp_path / "d0", classes=2, per_class=3)
+    render_folder(tmp_path / "d1", classes=3, per_class=3)
+    command = (f"exec {sys.executable} {SCRIPT} --checkpoint {checkpoint} --data {tmp_path}/d$HOROVOD_RANK "
+               f"--out {tmp_path / 'out'} --workers 0")
+    result = subprocess.run([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "bash", "-c", command], cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=240)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert output.count("error: --checkpoint/--data/--out/--part-size: rank(s) [1] were given another") == 1, output
+    assert rank_tracebacks(output) == 0, output[-3000:]
+    assert not (tmp_path / "out" / "parts").exists()  # nothing was embedded
