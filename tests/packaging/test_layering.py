@@ -14,7 +14,10 @@ Layers:
   (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling``, ``losses``,
   ``runtime`` < ``evaluation`` < ``engine`` < ``solver``;
 * application: ``train/run_setup.py`` (``train``/``main``), the builders, the
-  registry of choices in the package's ``__init__`` and the script, on top.
+  registry of choices in the package's ``__init__`` and the script, on top;
+* the catalogue (``train/catalogue/``: export, embed, index, query, and its
+  scripts beside the trainer's): application too, beside ``run_setup``; it may
+  import every role and the builders, and nothing imports it.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import pytest
 from launch import ROOT
 
 #: package name -> source folder (pyproject.toml's package-dir)
-SUBPACKAGES = ("config", "engine", "evaluation", "losses", "modeling", "runtime", "solver")
+SUBPACKAGES = ("config", "engine", "evaluation", "losses", "modeling", "runtime", "solver", "catalogue")
 PACKAGES = {
     "pksampler": ROOT / "pksampler",
     "pksampler.samplers": ROOT / "samplers",
@@ -36,6 +39,10 @@ PACKAGES = {
 }
 LIBRARY = ("pksampler.samplers", "pksampler.datasets")
 APPLICATION = {"pksampler.train", "pksampler.train.run_setup", "pksampler.train.builders", "pksampler.train.retrieval"}
+#: the catalogue's scripts (train/*.py beside retrieval.py) and its package: application, imported by nothing
+CATALOGUE_SCRIPTS = {f"pksampler.train.{name}" for name in ("export_model", "embed_catalogue", "build_index",
+                                                            "query_catalogue")}
+CATALOGUE = "pksampler.train.catalogue"
 #: trainer role -> the roles it may import (besides itself and the library); the application may import all
 ALLOWED = {
     "errors": set(),
@@ -157,6 +164,23 @@ def test_each_role_imports_only_the_roles_below_it():
         if bad:
             offenders[name] = bad
     assert not offenders, offenders
+
+
+def _in_catalogue(module: str) -> bool:
+    return module in CATALOGUE_SCRIPTS or module == CATALOGUE or module.startswith(CATALOGUE + ".")
+
+
+def test_the_catalogue_is_application_that_nothing_imports():
+    graph = import_graph()
+    assert CATALOGUE_SCRIPTS | {f"{CATALOGUE}.embed", f"{CATALOGUE}.index"} <= set(graph)
+    assert f"{CATALOGUE}.cli" in graph["pksampler.train.embed_catalogue"]  # the script runs the package
+    importers = {name: sorted(t for t in targets if _in_catalogue(t))
+                 for name, targets in graph.items() if not _in_catalogue(name)}
+    assert not {k: v for k, v in importers.items() if v}, importers
+    # it imports the roles and the builders, never the trainer's application (run_setup, the script)
+    reaching = {name: sorted(t for t in targets if t in {"pksampler.train.run_setup", "pksampler.train.retrieval"})
+                for name, targets in graph.items() if _in_catalogue(name)}
+    assert not {k: v for k, v in reaching.items() if v}, reaching
 
 
 def test_the_configuration_imports_neither_models_nor_datasets():

@@ -1,0 +1,71 @@
+"""The exported model runs like the eager one: onnxruntime and torch.export on real image files."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime
+import pytest
+import torch
+from catalogue_fixtures import make_checkpoint, render_folder
+
+from pksampler.datasets import CenterView, ToUint8, load_rgb
+from pksampler.train.catalogue.export import export_model, read_metadata
+from pksampler.train.catalogue.model import load_model
+from pksampler.train.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("export")
+    checkpoint = make_checkpoint(folder / "best.pt")
+    images = render_folder(folder / "images", classes=4, per_class=2, image_size=52)
+    written = export_model(checkpoint, folder / "model")
+    return checkpoint, sorted(images.rglob("*.png")), written
+
+
+def _batch(paths, size):
+    return torch.stack([ToUint8(size)(load_rgb(p)) for p in paths])
+
+
+def test_onnx_and_pt2_match_the_eager_model_on_real_images_at_batch_1_and_7(exported):
+    checkpoint, paths, written = exported
+    model = load_model(checkpoint)
+    session = onnxruntime.InferenceSession(str(written["onnx"]), providers=["CPUExecutionProvider"])
+    program = torch.export.load(str(written["pt2"])).module()
+    deltas = {}
+    for batch in (1, 7):
+        images = _batch(paths[:batch], model.input_size)
+        with torch.no_grad():
+            eager = model.network(CenterView(model.image_size)(images)).numpy()  # the trainer's evaluation path
+            served = program(images).numpy()
+        (onnx_out,) = session.run(["embeddings"], {"images": images.numpy()})
+        assert onnx_out.shape == eager.shape == (batch, model.embedding_dim)
+        deltas[batch] = (float(np.abs(onnx_out - eager).max()), float(np.abs(served - eager).max()))
+    assert all(d <= 1e-5 for pair in deltas.values() for d in pair), deltas
+    print("max |delta| vs eager (onnx, pt2):", deltas)
+
+
+def test_the_preprocessing_and_digest_are_in_both_files(exported):
+    checkpoint, _, written = exported
+    model = load_model(checkpoint)
+    for path in written.values():
+        meta = read_metadata(path)
+        assert meta["digest"] == model.digest
+        pre = meta["preprocessing"]
+        assert (pre["input_size"], pre["crop_size"], pre["dtype"], pre["channel_order"]) == (27, 24, "uint8", "RGB")
+        assert pre["mean"] == pytest.approx([0.485, 0.456, 0.406]) and pre["std"] == pytest.approx([0.229, 0.224, 0.225])
+    session = onnxruntime.InferenceSession(str(written["onnx"]), providers=["CPUExecutionProvider"])
+    shape = session.get_inputs()[0].shape
+    assert isinstance(shape[0], str) and shape[1:] == [3, 27, 27]  # a dynamic batch axis
+    assert json.loads(session.get_modelmeta().custom_metadata_map["pksampler"])["digest"] == model.digest
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
+    bad = tmp_path / "best.pt"
+    torch.save({"weights": torch.zeros(2)}, bad)
+    with pytest.raises(ConfigError, match=r"best\.pt.*'model' and 'config'"):
+        export_model(bad, tmp_path / "model")
+    with pytest.raises(ConfigError, match=r"--formats: 'tflite'"):
+        export_model(bad, tmp_path / "model", formats=("tflite",))

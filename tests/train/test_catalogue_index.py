@@ -1,0 +1,118 @@
+"""The catalogue's part plan and its faiss index: exact where it says exact, certified where approximate."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pksampler.train.catalogue.index import IndexOptions, build_index, load_index
+from pksampler.train.catalogue.parts import PartPlan, write_manifest, write_part
+from pksampler.train.errors import ConfigError
+
+
+def clustered(count: int, dim: int, *, classes: int, seed: int = 0) -> np.ndarray:
+    """L2-normalised vectors around ``classes`` centres: the shape of a product catalogue's embeddings."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((classes, dim)).astype(np.float32)
+    x = centres[rng.integers(0, classes, count)] + 0.35 * rng.standard_normal((count, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def fake_catalogue(folder, vectors: np.ndarray, *, part_size: int, missing: tuple[int, ...] = ()):
+    """Parts and a manifest as the embedder writes them; ``missing`` ids are left out (bad images)."""
+    plan = PartPlan(len(vectors), part_size)
+    entries = []
+    for part in range(plan.num_parts):
+        start, stop = plan.bounds(part)
+        ids = np.array([i for i in range(start, stop) if i not in missing], dtype=np.int64)
+        write_part(folder, part, vectors[ids], ids, {"first": start, "stop": stop, "count": len(ids), "bad": []})
+        entries.append({"part": part, "count": len(ids), "first": start, "stop": stop})
+    write_manifest(folder, {"model": {"digest": "d" * 64, "checkpoint": "none"},
+                            "source": {"location": str(folder), "kind": "folder", "images": len(vectors)},
+                            "plan": {"total": plan.total, "part_size": part_size, "parts": plan.num_parts},
+                            "dim": vectors.shape[1], "count": sum(e["count"] for e in entries), "bad": len(missing),
+                            "bad_ids": list(missing), "parts": entries})
+    return folder
+
+
+@pytest.mark.parametrize("world", range(1, 8))
+def test_every_part_belongs_to_exactly_one_rank_and_parts_tile_the_ids(world):
+    plan = PartPlan(103, 10)
+    owned = sorted(p for rank in range(world) for p in plan.parts_of(rank, world))
+    assert owned == list(range(plan.num_parts)) == list(range(11))
+    covered = np.concatenate([np.arange(*plan.bounds(p)) for p in owned])
+    assert np.array_equal(covered, np.arange(103))
+
+
+def test_the_flat_index_is_exact_search_with_the_catalogue_ids(tmp_path):
+    vectors = clustered(700, 16, classes=20)
+    missing = (3, 250, 699)
+    catalogue = fake_catalogue(tmp_path / "cat", vectors, part_size=128, missing=missing)
+    meta = build_index(catalogue, tmp_path / "index", options=IndexOptions(queries=200))
+    assert meta["kind"] == "flat" and meta["count"] == 697
+    cert = meta["certificate"]
+    assert cert["recall_at_1"] == 1.0 and cert["recall_at_10"] == 1.0 and cert["queries"] == 200
+    searcher = load_index(tmp_path / "index")
+    assert searcher.metadata == json.loads((tmp_path / "index" / "index.json").read_text())
+    queries = clustered(5, 16, classes=20, seed=9)
+    d, i = searcher.search(queries, 5)
+    kept = np.array([j for j in range(700) if j not in missing])
+    scores = queries @ vectors[kept].T
+    expected = kept[np.argsort(-scores, axis=1, kind="stable")[:, :5]]
+    assert np.array_equal(i, expected)
+    assert np.allclose(d, np.take_along_axis(scores, np.argsort(-scores, axis=1)[:, :5], 1), atol=1e-5)
+    assert not set(i.ravel()) & set(missing)
+
+
+@pytest.mark.parametrize("kind", ["ivfflat", "ivfpq"])
+def test_an_approximate_index_carries_a_certificate_it_meets(tmp_path, kind):
+    vectors = clustered(6000, 32, classes=300, seed=1)
+    catalogue = fake_catalogue(tmp_path / "cat", vectors, part_size=1000)
+    meta = build_index(catalogue, tmp_path / "index", options=IndexOptions(kind=kind, nlist=32, queries=400))
+    cert = meta["certificate"]
+    assert meta["kind"] == kind and meta["nlist"] == 32 and meta["nprobe"] == cert["nprobe"]
+    assert cert["queries"] == 200 and cert["tuning_queries"] == 200
+    assert cert["recall_at_1"] >= 0.99 and cert["meets_target"] and cert["recall_at_10"] >= cert["recall_at_1"]
+    if kind == "ivfpq":  # codes in memory, the vectors stay in the parts for the re-rank
+        assert meta["index_bytes"] < vectors.nbytes / 2
+    # the certificate is honest: recomputed here on other queries by brute force
+    searcher = load_index(tmp_path / "index")
+    queries = clustered(300, 32, classes=300, seed=1)  # new points around the same centres
+    _, found = searcher.search(queries, 1)
+    exact = np.argmax(queries @ vectors.T, axis=1)
+    assert (found[:, 0] == exact).mean() >= 0.97
+
+
+def test_ivfflat_lists_filled_in_place_hold_what_add_with_ids_puts_there(tmp_path):
+    import faiss
+
+    vectors = clustered(3000, 16, classes=100, seed=3)
+    catalogue = fake_catalogue(tmp_path / "cat", vectors, part_size=700, missing=(5, 1500))
+    build_index(catalogue, tmp_path / "index", options=IndexOptions(kind="ivfflat", nlist=16, queries=100))
+    built = load_index(tmp_path / "index").index
+    plain = faiss.IndexIVFFlat(faiss.IndexFlatIP(16), 16, 16, faiss.METRIC_INNER_PRODUCT)
+    plain.quantizer.add(built.quantizer.reconstruct_n(0, 16))
+    plain.is_trained = True
+    kept = np.array([i for i in range(3000) if i not in (5, 1500)])
+    plain.add_with_ids(vectors[kept], kept)
+    assert built.ntotal == plain.ntotal == 2998
+    for number in range(16):
+        assert np.array_equal(faiss.rev_swig_ptr(built.invlists.get_ids(number), built.invlists.list_size(number)),
+                              faiss.rev_swig_ptr(plain.invlists.get_ids(number), plain.invlists.list_size(number)))
+    plain.nprobe = built.nprobe
+    assert np.array_equal(built.search(vectors[:40], 5)[1], plain.search(vectors[:40], 5)[1])
+
+
+def test_the_index_refuses_a_file_that_does_not_match_its_metadata(tmp_path):
+    catalogue = fake_catalogue(tmp_path / "cat", clustered(50, 8, classes=5), part_size=20)
+    build_index(catalogue, tmp_path / "index")
+    path = tmp_path / "index" / "index.faiss"
+    path.write_bytes(path.read_bytes()[:-7])
+    with pytest.raises(ConfigError, match=r"index\.faiss is missing or not the file"):
+        load_index(tmp_path / "index")
+    with pytest.raises(ConfigError, match=r"--kind: 'hnsw' must be one of"):
+        IndexOptions(kind="hnsw")
+    with pytest.raises(ConfigError, match=r"no manifest\.json; embed the catalogue first"):
+        build_index(tmp_path / "nothing", tmp_path / "index2")

@@ -1,0 +1,146 @@
+"""The command lines of the catalogue steps; the scripts beside ``train/retrieval.py`` call these.
+
+Bad input is one line on stderr from rank 0 (``error: <argument>: <value>:
+<rule>``) and exit status 2 on every rank; nothing else prints a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+from pksampler.train.errors import ConfigError
+
+__all__ = ["build_index_main", "embed_main", "export_main", "query_main"]
+
+#: how long ranks other than 0 wait for rank 0 to report an error before exiting themselves
+_PEER_WAIT_SECONDS = 30.0
+
+
+def _rank() -> int:
+    try:
+        from pksampler.comm import world_info
+
+        return world_info()[0]
+    except ValueError:
+        return 0
+
+
+def _run(step: Callable[[], object]) -> int:
+    """Run ``step``; a ConfigError is one line from rank 0 and status 2 (the others wait for it, then exit)."""
+    try:
+        step()
+    except ConfigError as error:
+        if _rank() == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            return 2
+        signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
+        time.sleep(_PEER_WAIT_SECONDS)
+        return 2
+    return 0
+
+
+def _parser(description: str) -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def export_main(argv: list[str] | None = None) -> int:
+    parser = _parser("Export a training checkpoint's embedding model as ONNX and torch.export (.pt2).")
+    parser.add_argument("checkpoint", type=Path, help="best.pt or last.pt written by train/retrieval.py")
+    parser.add_argument("--out", type=Path, required=True, help="folder for model.onnx and model.pt2")
+    parser.add_argument("--formats", default="onnx,pt2", help="comma-separated: onnx, pt2 (default: both)")
+    args = parser.parse_args(argv)
+
+    def step() -> None:
+        from pksampler.train.catalogue.export import export_model, read_metadata
+
+        written = export_model(args.checkpoint, args.out, formats=tuple(f for f in args.formats.split(",") if f))
+        for name, path in written.items():
+            meta = read_metadata(path)
+            print(f"[pksampler] export: {path} ({name}, {path.stat().st_size} bytes, input uint8 "
+                  f"(batch, 3, {meta['preprocessing']['input_size']}, {meta['preprocessing']['input_size']}), "
+                  f"embedding {meta['embedding_dim']}, digest {meta['digest'][:12]})", flush=True)
+    return _run(step)
+
+
+def embed_main(argv: list[str] | None = None) -> int:
+    parser = _parser("Embed a catalogue's images into .npy parts, on one process, under horovodrun or torchrun.")
+    parser.add_argument("--checkpoint", type=Path, required=True, help="best.pt or last.pt written by train/retrieval.py")
+    parser.add_argument("--data", required=True, help="an image folder, a list file, a packed shard folder or s3://...")
+    parser.add_argument("--out", type=Path, required=True, help="the catalogue folder (parts and manifest.json)")
+    parser.add_argument("--part-size", type=int, default=65536, help="images per part (default 65536)")
+    parser.add_argument("--batch-size", type=int, default=128, help="images per forward pass (default 128)")
+    parser.add_argument("--workers", type=int, default=2, help="decoding workers per rank (default 2)")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda (each rank: its local GPU)")
+    parser.add_argument("--precision", default="auto", help="auto, fp32, bf16 or fp16 (autocast)")
+    parser.add_argument("--max-bad-fraction", type=float, default=0.01, help="fail above this share of bad images")
+    parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    args = parser.parse_args(argv)
+
+    def step() -> None:
+        from pksampler.train.catalogue.embed import EmbedOptions, embed_catalogue
+        from pksampler.train.runtime.distributed import make_backend
+
+        options = EmbedOptions(part_size=args.part_size, batch_size=args.batch_size, workers=args.workers,
+                               progress_every=args.progress_every, max_bad_fraction=args.max_bad_fraction)
+        backend = make_backend("auto", device=args.device, precision=args.precision)
+        try:
+            embed_catalogue(args.checkpoint, args.data, args.out, backend, options=options)
+            backend.barrier()
+        finally:
+            backend.shutdown()
+    return _run(step)
+
+
+def build_index_main(argv: list[str] | None = None) -> int:
+    parser = _parser("Build a faiss index over an embedded catalogue, with a recall certificate.")
+    parser.add_argument("catalogue", type=Path, help="the folder train/embed_catalogue.py wrote")
+    parser.add_argument("--out", type=Path, required=True, help="folder for index.faiss and index.json")
+    parser.add_argument("--kind", default="auto", help="auto (flat up to --flat-limit, else ivfflat), flat, ivfflat, ivfpq")
+    parser.add_argument("--flat-limit", type=int, default=1_000_000, help="largest catalogue indexed exactly by auto")
+    parser.add_argument("--nlist", type=int, default=None, help="IVF lists (default: a power of two near sqrt(N))")
+    parser.add_argument("--pq-bytes", type=int, default=None, help="ivfpq: bytes per code (default dim / 4)")
+    parser.add_argument("--queries", type=int, default=2000, help="sampled queries of the recall certificate")
+    parser.add_argument("--target", type=float, default=0.99, help="Recall@1 the search setting must reach")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    def step() -> None:
+        from pksampler.train.catalogue.index import IndexOptions, build_index
+
+        options = IndexOptions(kind=args.kind, flat_limit=args.flat_limit, nlist=args.nlist, pq_bytes=args.pq_bytes,
+                               queries=args.queries, target=args.target, seed=args.seed)
+        meta = build_index(args.catalogue, args.out, options=options)
+        cert = meta["certificate"]
+        print(f"[pksampler] index: {meta['kind']} over {meta['count']} x {meta['dim']} in {meta['build_seconds']:.1f} s"
+              + (f", nlist {meta['nlist']} nprobe {meta['nprobe']}" if meta["nlist"] else "")
+              + (f"; Recall@1 {cert['recall_at_1']:.4f} Recall@10 {cert['recall_at_10']:.4f} against exact search on "
+                 f"{cert['queries']} sampled queries" if cert.get("queries") else "")
+              + f"; {args.out / 'index.faiss'}", flush=True)
+    return _run(step)
+
+
+def query_main(argv: list[str] | None = None) -> int:
+    parser = _parser("Search the catalogue with images: top-k as JSON lines and a gallery PNG.")
+    parser.add_argument("images", nargs="+", help="query image files or folders")
+    parser.add_argument("--index", type=Path, required=True, help="the folder train/build_index.py wrote")
+    parser.add_argument("--checkpoint", type=Path, required=True, help="the checkpoint the catalogue was embedded with")
+    parser.add_argument("--out", type=Path, required=True, help="folder for results.jsonl and gallery.png")
+    parser.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    parser.add_argument("--gallery-rows", type=int, default=8, help="queries shown in the gallery (default 8)")
+    args = parser.parse_args(argv)
+
+    def step() -> None:
+        from pksampler.train.catalogue.query import query_catalogue
+
+        lines = query_catalogue(args.index, args.images, args.out, checkpoint=args.checkpoint, k=args.k,
+                                gallery_rows=args.gallery_rows)
+        bad = sum("error" in line for line in lines)
+        print(f"[pksampler] query: {len(lines)} queries ({bad} unreadable), top {args.k}: "
+              f"{args.out / 'results.jsonl'}, {args.out / 'gallery.png'}", flush=True)
+    return _run(step)

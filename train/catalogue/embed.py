@@ -1,0 +1,228 @@
+"""Embed a catalogue across ranks into ``.npy`` parts (:mod:`.parts`), resumable, the same at every world size.
+
+The input pipeline is the trainer's evaluation path (:func:`~pksampler.train.evaluation.heldout.embed`):
+DataLoader workers decode and ship uint8 squares (``ToUint8``), the rank's
+device crops and normalises (``CenterView``) and runs the model under the
+rank's autocast. What differs is where the result goes: each rank keeps
+its own parts and writes them, nothing is gathered.
+
+Bad images (missing, truncated, not an image) are named on stderr by the rank
+that met them, left out of their part (their ids are missing from
+``ids/``) and counted in the part's record and the manifest; more than
+``max_bad_fraction`` of the catalogue is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from pksampler.datasets import ImageLoadError
+from pksampler.datasets.base import LabelledDataset
+
+from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
+from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, read_record, write_manifest,
+                                             write_part)
+from pksampler.train.catalogue.sources import open_source, source_kind
+from pksampler.train.errors import ConfigError
+from pksampler.train.runtime.distributed import Backend
+from pksampler.train.runtime.loader import to_model_input, worker_context
+
+__all__ = ["EmbedOptions", "embed_catalogue"]
+
+
+@dataclass(frozen=True)
+class EmbedOptions:
+    """How a catalogue is embedded: part size, batch size, workers per rank, progress cadence, bad-image limit."""
+
+    part_size: int = 65536
+    batch_size: int = 128
+    workers: int = 2
+    progress_every: float = 10.0
+    max_bad_fraction: float = 0.01
+
+    def __post_init__(self) -> None:
+        for name, value in (("batch_size", self.batch_size), ("part_size", self.part_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')}: must be a positive int, got {value!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 0:
+            raise ConfigError(f"--workers: must be an int >= 0, got {self.workers!r}")
+        if not 0.0 <= self.max_bad_fraction <= 1.0:
+            raise ConfigError(f"--max-bad-fraction: must lie in [0, 1], got {self.max_bad_fraction!r}")
+
+
+class _SkipBad(Dataset):
+    """Item ``i`` as ``(uint8 image, ok)``; an unreadable one is named on stderr and comes back blank, ``ok`` False."""
+
+    def __init__(self, dataset: LabelledDataset, side: int) -> None:
+        self.dataset, self.side = dataset, side
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, bool]:
+        try:
+            return self.dataset[index][0], True
+        except ImageLoadError as error:
+            print(f"pksampler: catalogue image {index} skipped: {error}", file=sys.stderr, flush=True)
+            return torch.zeros(3, self.side, self.side, dtype=torch.uint8), False
+
+
+def _batches(plan: PartPlan, parts: list[int], batch_size: int) -> list[list[int]]:
+    """Every batch of ``parts`` in order; a batch never crosses a part (so a part's batches are fixed)."""
+    batches = []
+    for part in parts:
+        start, stop = plan.bounds(part)
+        batches += [list(range(s, min(s + batch_size, stop))) for s in range(start, stop, batch_size)]
+    return batches
+
+
+class _Progress:
+    """Rank 0's progress lines, every ``every`` seconds and at its last part: parts, images, images per second."""
+
+    def __init__(self, rank: int, world: int, todo: int, every: float) -> None:
+        self.rank, self.world, self.todo, self.every = rank, world, todo, every
+        self.start = self.last = time.monotonic()
+        self.parts = self.images = self.bad = 0
+
+    def batch_done(self, images: int, *, bad: int = 0, part_finished: bool = False) -> None:
+        self.images, self.bad = self.images + images, self.bad + bad
+        self.parts += int(part_finished)
+        now = time.monotonic()
+        if self.rank == 0 and (now - self.last >= self.every or (part_finished and self.parts == self.todo)):
+            self.last = now
+            rate = self.images / max(now - self.start, 1e-9)
+            overall = f" (about {rate * self.world:.0f} img/s over {self.world} ranks)" if self.world > 1 else ""
+            print(f"[pksampler] embed: rank 0 finished {self.parts}/{self.todo} of its parts, {self.images} images, "
+                  f"{rate:.0f} img/s{overall}, {self.bad} bad", flush=True)
+
+
+def _write(out: Path, model: LoadedModel, plan: PartPlan, part: int, pending: dict[str, list], backend: Backend, *,
+           seconds: float) -> None:
+    """A finished part's readable rows, their ids and its record (bad ids, counts, model digest)."""
+    start, stop = plan.bounds(part)
+    keep = np.concatenate(pending["ok"])
+    embeddings = np.concatenate(pending["emb"])[keep]
+    check_finite(embeddings, f"part {part} (ids {start}..{stop - 1})")
+    ids = np.arange(start, stop, dtype=np.int64)
+    write_part(out, part, embeddings, ids[keep], {
+        "first": start, "stop": stop, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
+        "model_digest": model.digest, "part_size": plan.part_size, "total": plan.total,
+        "dim": int(embeddings.shape[1]), "seconds": round(seconds, 3), "rank": backend.rank,
+        "world_size": backend.size})
+
+
+def _embed_parts(model: LoadedModel, network: torch.nn.Module, dataset: LabelledDataset, plan: PartPlan,
+                 parts: list[int], out: Path, backend: Backend, options: EmbedOptions) -> tuple[int, float]:
+    """Embed and write ``parts``; returns (images embedded, seconds)."""
+    setup, view = backend.setup, model.serving().view
+    items = _SkipBad(dataset, model.input_size)
+    loader = DataLoader(items, batch_sampler=_batches(plan, parts, options.batch_size), num_workers=options.workers,
+                        pin_memory=setup.pin_memory, multiprocessing_context=worker_context(dataset, options.workers))
+    progress = _Progress(backend.rank, backend.size, len(parts), options.progress_every)
+    pending: dict[str, list] = {"emb": [], "ok": []}
+    remaining = iter(parts)
+    part, (start, stop) = None, (0, 0)
+    started = time.monotonic()
+    with torch.no_grad():
+        for images, ok in loader:
+            if part is None:
+                part = next(remaining)
+                start, stop = plan.bounds(part)
+                part_started = time.monotonic()
+            with setup.autocast():
+                pending["emb"].append(network(to_model_input(images, setup, view)).float().cpu().numpy())
+            pending["ok"].append(ok.numpy())
+            if sum(len(o) for o in pending["ok"]) < stop - start:
+                progress.batch_done(len(ok), bad=int((~ok).sum()))
+            else:
+                _write(out, model, plan, part, pending, backend, seconds=time.monotonic() - part_started)
+                progress.batch_done(len(ok), bad=int((~ok).sum()), part_finished=True)
+                pending, part = {"emb": [], "ok": []}, None
+    return progress.images, time.monotonic() - started
+
+
+def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, data: str, out: Path) -> None:
+    """Every rank embeds the same model, catalogue and cut into the same folder, or every rank raises."""
+    if backend.size == 1:
+        return
+    text = f"{model.digest}|{plan.total}|{plan.part_size}|{data}|{out.resolve()}"
+    row = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64).copy()
+    rows = backend.allgather_numpy(row)
+    if not (rows == rows[0]).all():
+        differing = sorted({r for r in range(len(rows)) if not (rows[r] == rows[0]).all()})
+        raise ConfigError(f"--checkpoint/--data/--out/--part-size: rank(s) {differing} were given another model, "
+                          f"catalogue, part size or output folder than rank 0 (this rank: {plan.total} images at "
+                          f"{data}, parts of {plan.part_size}, model {model.digest[:12]}, {out}); start every rank "
+                          "with the same arguments")
+
+
+def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend: Backend, *,
+                    options: EmbedOptions = EmbedOptions()) -> dict[str, Any] | None:
+    """Embed every image at ``data`` with the model of ``checkpoint`` into parts under ``out``.
+
+    Runs on every rank of ``backend`` (one process, horovodrun or torchrun);
+    returns the manifest on rank 0 (None elsewhere). Finished parts of an
+    earlier run of the same model and plan are skipped.
+    """
+    out = Path(out)
+    model = load_model(checkpoint)
+    network = backend.setup.prepare_model(model.network)
+    dataset = open_source(data, decode_size=model.input_size)
+    dataset.transform = model.worker_transform()
+    plan = PartPlan(len(dataset), options.part_size)
+    _check_ranks_agree(backend, model, plan, data, out)
+    check_existing_parts(out, plan, model.digest)
+    mine = plan.parts_of(backend.rank, backend.size)
+    todo = [p for p in mine if not finished(out, plan, p, model.digest)]
+    if backend.rank == 0:
+        print(f"[pksampler] embed: {plan.total} images from {data} in {plan.num_parts} parts of {plan.part_size}, "
+              f"{backend.size} rank(s); rank 0 embeds {len(todo)} part(s), skips {len(mine) - len(todo)} finished",
+              flush=True)
+    images, seconds = _embed_parts(model, network, dataset, plan, todo, out, backend, options) if todo else (0, 0.0)
+    totals = backend.allgather_numpy(np.asarray([images, int(seconds * 1000)], dtype=np.int64))
+    backend.barrier()
+    if backend.rank != 0:
+        return None
+    return _finish(out, model, data, plan, options, rate=float(totals[:, 0].sum()) / max(totals[:, 1].max() / 1000,
+                                                                                         1e-9))
+
+
+def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: EmbedOptions, *,
+            rate: float) -> dict[str, Any]:
+    """Rank 0, after every rank is done: check the records, count, write the manifest."""
+    records = [read_record(out, part) for part in range(plan.num_parts)]
+    missing = [p for p, r in enumerate(records) if r is None]
+    if missing:
+        raise ConfigError(f"--out: parts {missing[:10]} of {out} have no record after every rank finished; another "
+                          "job writes into the same folder?")
+    bad = [i for r in records for i in r["bad"]]
+    if len(bad) > options.max_bad_fraction * plan.total or len(bad) == plan.total:
+        raise ConfigError(f"--max-bad-fraction: {len(bad)} of {plan.total} images could not be decoded (named "
+                          f"above), more than {options.max_bad_fraction:.2%}: fix the data or raise the limit")
+    manifest = {
+        "model": model.describe(),
+        "source": {"location": data if data.startswith("s3://") else str(Path(data).resolve()),
+                   "kind": source_kind(data), "images": plan.total},
+        "plan": {"total": plan.total, "part_size": plan.part_size, "parts": plan.num_parts},
+        "dim": int(records[0]["dim"]) if records else model.embedding_dim,
+        "count": sum(r["count"] for r in records),
+        "bad": len(bad),
+        "bad_ids": bad,
+        "parts": [{"part": r["part"], "count": r["count"], "first": r["first"], "stop": r["stop"]} for r in records],
+        "layout": {"embeddings": "embeddings/part-*.npy: float32 (n, dim), L2-normalised",
+                   "ids": "ids/part-*.npy: int64 (n,), the global id of each row of the same part"},
+    }
+    write_manifest(out, manifest)
+    print(f"[pksampler] embed: done, {manifest['count']} embeddings of dim {manifest['dim']} in {plan.num_parts} "
+          f"parts, {len(bad)} bad image(s) skipped; this job embedded at {rate:.0f} img/s; {out / 'manifest.json'}",
+          flush=True)
+    return manifest

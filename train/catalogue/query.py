@@ -1,0 +1,133 @@
+"""Search the catalogue with query images: top-k as JSON lines, and a result gallery PNG like the trainer's.
+
+1. Query images (files, or folders searched recursively for image files) are
+   decoded and prepared as the catalogue was (:mod:`.model`), embedded by the
+   checkpoint's model; the index refuses a model whose digest differs from
+   the catalogue's.
+2. faiss searches at the index's certified ``nprobe``; each query becomes one
+   JSON line ``{"query", "results": [{"rank", "id", "path", "class",
+   "similarity"}]}`` (the path is the catalogue's own name for the item: a
+   file, or ``shard#member`` for packed shards). A query image that cannot
+   be decoded is named and written as ``{"query", "error"}``.
+3. The gallery (:func:`~pksampler.train.evaluation.render.save_gallery_png`)
+   shows the first queries and their neighbours; a frame is green when the
+   neighbour's class is the query's folder name, red otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+
+from pksampler.datasets import ImageLoadError, load_rgb
+from pksampler.datasets._image import IMAGE_EXTENSIONS
+from pksampler.files import atomic_write_text
+
+from pksampler.train.catalogue.index import load_index
+from pksampler.train.catalogue.model import LoadedModel, load_model
+from pksampler.train.catalogue.sources import open_source
+from pksampler.train.errors import ConfigError
+from pksampler.train.evaluation.render import save_gallery_png
+
+__all__ = ["query_catalogue", "query_paths"]
+
+
+def query_paths(items: Sequence[str | Path]) -> list[Path]:
+    """The image files named by ``items``: files as given, folders searched recursively (sorted)."""
+    found: list[Path] = []
+    for item in map(Path, items):
+        if item.is_dir():
+            found += sorted(p for p in item.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
+        elif item.is_file():
+            found.append(item)
+        else:
+            raise ConfigError(f"images: {str(item)!r} is neither an image file nor a folder")
+    if not found:
+        raise ConfigError(f"images: {[str(i) for i in items]} hold no image files ({sorted(IMAGE_EXTENSIONS)})")
+    return found
+
+
+def _embed_queries(model: LoadedModel, paths: list[Path], batch_size: int = 64
+                   ) -> tuple[np.ndarray, list[Image.Image | None], list[str | None]]:
+    """Embeddings of the readable queries, each query's image (None if unreadable) and error (None if fine)."""
+    serving, transform = model.serving(), model.worker_transform()
+    images, errors, tensors = [], [], []
+    for path in paths:
+        try:
+            image = load_rgb(path, draft_size=model.input_size)
+        except ImageLoadError as error:
+            print(f"pksampler: query image skipped: {error}", file=sys.stderr, flush=True)
+            images.append(None)
+            errors.append(str(error))
+            continue
+        images.append(image)
+        errors.append(None)
+        tensors.append(transform(image))
+    parts = []
+    with torch.no_grad():
+        for start in range(0, len(tensors), batch_size):
+            parts.append(serving(torch.stack(tensors[start:start + batch_size])).numpy())
+    embeddings = np.concatenate(parts) if parts else np.zeros((0, model.embedding_dim), dtype=np.float32)
+    return embeddings, images, errors
+
+
+def _tile(dataset: Any, item: int) -> Any:
+    try:
+        return dataset.load(item)
+    except ImageLoadError:
+        return Image.new("RGB", (32, 32), (128, 128, 128))
+
+
+def _gallery(path: Path, dataset: Any, rows: list[dict[str, Any]], images: list[Image.Image], title: str) -> Path:
+    """The PNG of ``rows`` (results with ids and classes) next to their query ``images``."""
+    neighbours = [[_tile(dataset, r["id"]) for r in row["results"]] for row in rows]
+    correct = np.array([[r["class"] == row["query_class"] for r in row["results"]] for row in rows], dtype=bool)
+    similarities = np.array([[r["similarity"] for r in row["results"]] for row in rows], dtype=np.float64)
+    return save_gallery_png(path, images, neighbours, correct, similarities=similarities, title=title)
+
+
+def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: str | Path, *,
+                    checkpoint: str | Path, k: int = 10, gallery_rows: int = 8) -> list[dict[str, Any]]:
+    """Search ``items`` (image files or folders); write ``out/results.jsonl`` and ``out/gallery.png``.
+
+    Returns the JSON lines as dicts (one per query, in the order of the paths).
+    """
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"--k: must be a positive int, got {k!r}")
+    searcher = load_index(index_folder)
+    metadata = searcher.metadata
+    model = load_model(checkpoint)
+    if model.digest != metadata["model"]["digest"]:
+        raise ConfigError(f"--checkpoint: {checkpoint} is not the model the catalogue was embedded with (digest "
+                          f"{model.digest[:12]}, the index's {metadata['model']['digest'][:12]}: "
+                          f"{metadata['model']['checkpoint']})")
+    paths = query_paths(items)
+    embeddings, images, errors = _embed_queries(model, paths)
+    k = min(k, metadata["count"])
+    similarities, ids = searcher.search(embeddings, k) if len(embeddings) else (np.zeros((0, k)), np.zeros((0, k)))
+    dataset = open_source(metadata["source"]["location"], decode_size=96)
+    lines, found = [], iter(zip(similarities.tolist(), ids.tolist()))
+    for path, error in zip(paths, errors):
+        if error is not None:
+            lines.append({"query": str(path), "error": error})
+            continue
+        row_d, row_i = next(found)
+        lines.append({"query": str(path), "query_class": path.parent.name if path.parent.name in dataset.classes
+                      else None, "results": [
+                          {"rank": r + 1, "id": int(i), "path": dataset.describe(int(i)),
+                           "class": dataset.classes[int(dataset.labels[int(i)])], "similarity": round(float(d), 6)}
+                          for r, (d, i) in enumerate(zip(row_d, row_i)) if i >= 0]})
+    out = Path(out)
+    atomic_write_text(out / "results.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
+    shown = [(line, image) for line, image in zip(lines, images) if image is not None][:gallery_rows]
+    if shown:
+        title = (f"catalogue search: top {k} of {metadata['count']} images ({metadata['kind']}"
+                 + (f", nprobe {metadata['nprobe']}" if metadata.get("nprobe") else "") + ")")
+        _gallery(out / "gallery.png", dataset, [line for line, _ in shown], [image for _, image in shown], title)
+    return lines

@@ -1,0 +1,48 @@
+"""Open a catalogue's images from one location string: a folder, a list file, packed shards or ``s3://``.
+
+One check of the location, in one place (the null object is the plain
+folder): ``s3://...`` and a folder holding ``manifest.json`` are packed
+shards, a regular file is a list file, any other folder an image folder
+(``<class>/<image>``). Items are numbered as the dataset numbers them; that
+number is the item's global id in the catalogue.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pksampler.datasets import ImageFolderDataset, ListFileDataset, ShardedDataset
+from pksampler.datasets.base import LabelledDataset
+
+from pksampler.train.errors import ConfigError
+
+__all__ = ["SOURCE_KINDS", "open_source", "source_kind"]
+
+#: the kinds of catalogue location, as :func:`source_kind` names them
+SOURCE_KINDS = ("folder", "list", "shards")
+
+
+def source_kind(location: str) -> str:
+    """``folder``, ``list`` or ``shards`` for ``location``; a ConfigError naming it when it is none of them."""
+    if location.startswith("s3://"):
+        return "shards"
+    path = Path(location)
+    if path.is_file():
+        return "list"
+    if path.is_dir():
+        return "shards" if (path / "manifest.json").is_file() else "folder"
+    raise ConfigError(f"--data: {location!r} is neither a folder, a list file nor an s3:// location (it does not "
+                      "exist)")
+
+
+def open_source(location: str, *, decode_size: int | None = None) -> LabelledDataset:
+    """The dataset at ``location`` with bad images raised (the caller skips and counts them), never replaced."""
+    kind = source_kind(location)
+    try:
+        if kind == "shards":
+            return ShardedDataset(location, on_bad="raise", decode_size=decode_size)
+        if kind == "list":
+            return ListFileDataset(location, on_bad="raise", decode_size=decode_size)
+        return ImageFolderDataset(location, on_bad="raise", decode_size=decode_size)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--data: {location!r} ({kind}): {error}") from None
