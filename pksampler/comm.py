@@ -34,6 +34,7 @@ __all__ = [
     "all_gather_numpy",
     "allreduce_mean",
     "allreduce_sum",
+    "alltoall",
     "barrier",
     "broadcast_object",
     "drop_padding",
@@ -252,6 +253,30 @@ def allreduce_sum(tensor: torch.Tensor, *, name: str | None = None) -> torch.Ten
         return tensor.detach()
     out = tensor.detach().clone()
     dist.all_reduce(out)
+    return out
+
+
+def alltoall(tensor: torch.Tensor, splits: list[int], *, name: str | None = None) -> torch.Tensor:
+    """Rank r sends ``tensor[sum(splits[:q]):sum(splits[:q + 1])]`` to rank q; returns what it received, in rank order.
+
+    The first dimension may differ between ranks (0 included); the others must
+    agree. No gradient. One process: ``splits`` must be ``[len(tensor)]``.
+    """
+    if sum(splits) != tensor.shape[0]:
+        raise ValueError(f"alltoall(splits=): the splits must add up to the tensor's first dimension "
+                         f"({tensor.shape[0]}), got {list(splits)}")
+    hvd = initialised_horovod()
+    if hvd is not None:
+        received, _ = hvd.alltoall(tensor.detach(), splits=torch.tensor(splits, dtype=torch.int32), name=name)
+        return received
+    dist = initialised_torch_distributed()
+    if dist is None:
+        return tensor.detach()
+    sent = torch.tensor(splits, dtype=torch.int64, device=tensor.device)
+    counts = torch.empty_like(sent)
+    dist.all_to_all_single(counts, sent)
+    out = tensor.new_empty((int(counts.sum()), *tensor.shape[1:]))
+    dist.all_to_all_single(out, tensor.detach().contiguous(), [int(n) for n in counts.tolist()], list(splits))
     return out
 
 

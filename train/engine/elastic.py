@@ -18,10 +18,10 @@ does not fit:
   a shuffled index list and repeats samples, horovod#3399).
 * :class:`TrainState` (epoch, batches done, global step, best) and the lr schedule: copies,
   restored in place, broadcast from rank 0.
-* a loss with a row-sharded head (:class:`HeadHandler`): save = the whole
-  head (every rank's rows and momentum, gathered), so a host that leaves
-  takes no rows with it; after a reset every rank takes its new range of
-  rows from that copy; a joiner receives rank 0's copy first.
+* a loss with a row-sharded head (:class:`HeadHandler`): save = this rank's
+  rows and momentum and a replica of one rank's on another host, so a host
+  that leaves takes no rows with it; after a reset every rank of the new
+  world (joiners too) receives its new range from whoever holds it.
 * optimizers: the state dict is broadcast and loaded; Horovod's own handler
   first takes a zero-gradient step on a rank with an empty state (a
   joiner), which moves weight-decayed parameters after they were synced.
@@ -65,8 +65,10 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import json
 import os
+import socket
 import sys
 import threading
 from dataclasses import fields
@@ -226,43 +228,117 @@ class _StateDictHandler:
 
 
 class HeadHandler:
-    """Elastic state of a loss with a row-sharded head (``HeadedLoss``): the whole head, re-sharded per world.
+    """Elastic state of a loss with a row-sharded head (``HeadedLoss``): own range + one replica, re-assembled.
 
-    A commit gathers every rank's rows and momentum (a collective: every rank
-    commits at the same step), so each rank holds the whole committed head and
-    no rows are lost with a host that leaves. After a reset every rank takes
-    its new range from that copy (:meth:`reshard`, a reset callback: Horovod
-    skips the sync when hosts only left); when hosts join, :meth:`sync` gives
-    them rank 0's copy first. ``grad_divisor()`` is the new world's loss scale.
-    Nothing here is collective at construction: a joiner builds its state
-    before it meets the survivors.
+    A commit (:meth:`save`, a collective: every rank commits at the same step)
+    keeps a host copy of this rank's rows and momentum and receives a replica
+    of another rank's range, on another host when there is one
+    (:mod:`~pksampler.train.modeling.head_replicas`): 2 × ⌈C/W⌉·k·D floats of
+    rows and as many of momentum per rank, never the whole head. A new world
+    assembles its ranges from whoever holds them (:meth:`assemble`): in the
+    sync when Horovod runs one, else (hosts only left: Horovod skips it) at
+    the start of the body (:meth:`ensure_current`); the reset callback
+    (:meth:`reshard`) only marks the range stale, since joiners are not in
+    it. ``grad_divisor()`` is the new world's loss scale; ``host()`` names
+    this rank's host (equal numbers: one host). Nothing here is collective at
+    construction: a joiner builds its state before it meets the survivors.
     """
 
     name = "pksampler.elastic.head"
 
-    def __init__(self, value: Any, *, grad_divisor: Callable[[], float], resumed: dict[str, Any] | None = None) -> None:
-        self.value, self.grad_divisor = value, grad_divisor
-        # rank 0 of a resumed run: the checkpoint's whole head, which the first sync gives every rank (each
-        # loaded only its own range, and only rank 0 read the file); otherwise the body's first save sets it
-        self._saved: dict[str, Any] | None = resumed
+    def __init__(self, value: Any, *, grad_divisor: Callable[[], float], resumed: dict[str, Any] | None = None,
+                 host: Callable[[], int] = lambda: host_key()) -> None:
+        from pksampler.train.modeling.head_replicas import RangeCopy
+
+        self.value, self.grad_divisor, self.host = value, grad_divisor, host
+        self._dense: dict[str, Any] | None = None
+        self._copies: list[Any] = []
+        self._step, self._world = -1, 0
+        self.current = False  # this rank's range is the current world's (set by an assembly)
+        if resumed is not None:
+            # rank 0 of a resumed run holds the checkpoint's whole head (one copy of [0, C)); the first
+            # assembly gives every rank its range of it (each built only its own, and only rank 0 read the file)
+            head = dict(resumed["head"])
+            rows, momentum = head.pop("rows"), head.pop("momentum")
+            self._dense = {**resumed, "head": head}
+            self._copies = [RangeCopy(0, rows.shape[0], rows, momentum)]
+            self._step, self._world = int(head["step"]), 1
+
+    @property
+    def copies(self) -> list[Any]:
+        """The committed ranges this rank holds (:class:`~pksampler.train.modeling.head_replicas.RangeCopy`)."""
+        return list(self._copies)
 
     def save(self) -> None:
-        self._saved = copy.deepcopy(self.value.state_dict(everywhere=True))
+        from pksampler.train.modeling.head_replicas import exchange_replica, replica_shift
+        from pksampler.train.modeling.sharded_head import shard_range
+
+        loss = self.value
+        collectives, classes = loss.head.collectives, loss.head.num_classes
+        dense, own = loss.own_range()
+        hosts = collectives.allgather(torch.tensor([self.host()], dtype=torch.int64)).cpu().tolist()
+        ranges = [shard_range(classes, collectives.size, r) for r in range(collectives.size)]
+        replica = exchange_replica(own, ranges, collectives=collectives, shift=replica_shift(hosts))
+        # replaced only now: a commit cut short by a lost rank leaves the previous one whole
+        self._dense, self._copies = dense, [own] + ([replica] if replica is not None else [])
+        self._step, self._world = int(dense["head"]["step"]), collectives.size
+        self.current = True
 
     def restore(self) -> None:
-        """Nothing yet: the world is gone; the reset that follows re-shards from the committed copy."""
+        """Nothing yet: the world is gone; the assembly that follows the reset rebuilds the range."""
 
     def sync(self) -> None:
-        self._saved = _broadcast(self._saved, self.name)
-        self.reshard()
+        self.assemble()
 
     def reshard(self) -> None:
-        """This rank's range for the current world from the committed copy (none yet: no step was taken, so
-        the head is still its initial state, which is rebuilt). Loading copies out of the committed copy."""
-        self.value.reshard(self._saved, grad_divisor=self.grad_divisor())
+        """A reset callback (survivors only, joiners are not here): the range is stale until the next assembly."""
+        self.current = False
+
+    def ensure_current(self) -> None:
+        """At the start of the body: assemble if no sync did since the last reset (a collective on every rank or
+        on none: Horovod skips the sync on every survivor alike, and then there are no joiners)."""
+        if not self.current:
+            self.assemble()
+
+    def assemble(self) -> None:
+        """This rank's range of the committed head for the current world, from whoever holds it (a collective).
+
+        Every rank reports its copies (one small all-gather); the plan is the
+        same on every rank, so a range held by no rank raises
+        :class:`~pksampler.train.modeling.head_replicas.HeadRowsLost` on
+        every rank. No copy anywhere: no step was committed, the initial rows.
+        """
+        from pksampler.train.modeling import head_replicas
+        from pksampler.train.modeling.sharded_head import shard_range
+
+        loss = self.value
+        collectives, classes = loss.head.collectives, loss.head.num_classes
+        row = head_replicas.holder_row(self._step, self._world, self._copies)
+        table = collectives.allgather(torch.from_numpy(row)[None]).cpu().numpy()
+        step, segments = head_replicas.plan_segments(table, classes)
+        if step < 0:
+            loss.reshard(None, grad_divisor=self.grad_divisor())
+        else:
+            root = 0 if table[0, 0] == step else int((table[:, 0] == step).argmax())
+            dense = collectives.broadcast_object(self._dense if collectives.rank == root else None, root,
+                                                 name=self.name)
+            ranges = [shard_range(classes, collectives.size, r) for r in range(collectives.size)]
+            loss.load_assembled(dense, functools.partial(head_replicas.assemble, self._copies, segments, ranges,
+                                                         collectives=collectives), grad_divisor=self.grad_divisor())
+        self.current = True
 
     def set_value(self, value: Any) -> None:
         self.value = value
+
+
+def host_key() -> int:
+    """This process's host as a number: Horovod's name for it (``HOROVOD_HOSTNAME``), else the machine's name.
+
+    Horovod's name tells apart the "hosts" of one machine in ``-H
+    localhost:2,127.0.0.1:2`` (the tests' two hosts).
+    """
+    name = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=7).digest(), "little")
 
 
 def _as_state_handler(cls: type) -> type:
@@ -567,7 +643,10 @@ def run_elastic(trainer: Trainer, *, commit_every: int, rebuild_sampler: Callabl
     _keep_hooks_open_across_resets(trainer)
 
     def body(state: Any) -> TrainState:
-        # Synced: every rank holds rank 0's committed state and its own share for this world.
+        # Synced: every rank holds rank 0's committed state and its own share for this world (the head's is
+        # assembled here when Horovod skipped the sync: hosts only left).
+        for head in heads:
+            head.ensure_current()
         state.save()
         before_start()
         return trainer.train()

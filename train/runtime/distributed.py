@@ -81,6 +81,10 @@ class Backend:
         """
         return comm.all_gather(tensor, sizes=sizes)
 
+    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        """Send ``splits[q]`` rows of ``tensor`` to rank q (in rank order); the rows received, in rank order."""
+        return comm.alltoall(tensor, splits)
+
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         """``(F,)`` int64 row of every rank as a ``(W, F)`` array (fingerprints)."""
         return comm.all_gather_numpy(row, device=self.collective_device)
@@ -229,6 +233,10 @@ class TorchBackend(Backend):
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self._mark()
         return super().allreduce_sum(tensor)
+
+    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        """Send ``splits[q]`` rows of ``tensor`` to rank q (in rank order); the rows received, in rank order."""
+        return comm.alltoall(tensor, splits)
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         self._mark()

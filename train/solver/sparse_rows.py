@@ -18,10 +18,11 @@ the same way): a row's momentum changes only when the row is sampled.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 
 __all__ = ["SparseRowSGD"]
@@ -75,12 +76,16 @@ class SparseRowSGD:
         self.head.rows[rows] = weights - lr * buffer
         self.moved_at[host] = self.steps
 
-    def reshard(self, saved: dict[str, Any] | None) -> None:
-        """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head);
-        ``None``: no step was taken, the head's initial rows for the new range."""
+    def begin_world(self) -> None:
+        """This rank's range in the collectives' current world: rows and momentum zero until loaded."""
         self.head.reshard()
         self.buffer = torch.zeros_like(self.head.rows)
         self.moved_at = torch.zeros(self.head.rows.shape[0], dtype=torch.int64)
+
+    def reshard(self, saved: dict[str, Any] | None) -> None:
+        """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head);
+        ``None``: no step was taken, the head's initial rows for the new range."""
+        self.begin_world()
         if saved is not None:
             self.load_state_dict(saved)
         elif self.steps == 0:
@@ -109,10 +114,28 @@ class SparseRowSGD:
                 "momentum": self.head.gather_rows(self.buffer, everywhere=everywhere),
                 "log_decay": self.log_decay.clone()}
 
+    def own_range(self) -> tuple[dict[str, Any], RangeCopy]:
+        """Horovod elastic's commit of this rank (no collective): the head's state but its rows and momentum
+        (``meta``, the same on every rank), and a host copy of this rank's rows and momentum, decay settled."""
+        self.settle()
+        head = self.head
+        meta = {"step": head.step, "num_classes": head.num_classes, "subcentres": head.spec.subcentres,
+                "dim": head.dim, "log_decay": self.log_decay.clone()}
+        return meta, RangeCopy(head.lo, head.hi, head.rows.detach().to("cpu", copy=True),
+                               self.buffer.detach().to("cpu", copy=True))
+
+    def load_meta(self, meta: dict[str, Any]) -> None:
+        """The step and decay log of :meth:`own_range`'s ``meta`` (the rows are loaded apart, every row settled)."""
+        self.head.step = int(meta["step"])
+        self._load_log(meta["log_decay"])
+
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.head.load_state_dict_rows(saved)
         self.buffer.copy_(saved["momentum"][self.head.lo:self.head.hi])
-        log_decay = saved["log_decay"].to(torch.float64)
+        self._load_log(saved["log_decay"])
+
+    def _load_log(self, log_decay: torch.Tensor) -> None:
+        log_decay = log_decay.to(torch.float64)
         self.steps = log_decay.numel() - 1
         self._log = torch.cat([log_decay, torch.zeros(max(1024, log_decay.numel()), dtype=torch.float64)])
         self.moved_at.fill_(self.steps)
@@ -155,6 +178,28 @@ class HeadedLoss:
         self.row_optimizer.reshard(saved["head"] if saved is not None else None)
         if saved is not None:
             self._load_pair_and_neck(saved)
+
+    def own_range(self) -> tuple[dict[str, Any], RangeCopy]:
+        """Horovod elastic's commit of this rank (no collective): the dense state (pair loss, neck, the head's
+        step and decay log; the same on every rank) and a host copy of this rank's rows and momentum."""
+        meta, own = self.row_optimizer.own_range()
+        dense = {"pair": self.pair.state_dict(), "head": meta}
+        if self.neck is not None:
+            dense["neck"] = self.neck.state_dict()
+        return dense, own
+
+    def load_assembled(self, dense: dict[str, Any], fill: Callable[[torch.Tensor, torch.Tensor], None], *,
+                       grad_divisor: float) -> None:
+        """For a new world: this rank's new range, its rows and momentum written by ``fill(rows, momentum)``
+        (a collective, :func:`~pksampler.train.modeling.head_replicas.assemble`), then ``dense``
+        (:meth:`own_range`'s) and the new world's gradient divisor."""
+        self.row_optimizer.grad_divisor = grad_divisor
+        if self.neck is not None:
+            self.neck.grad_divisor = grad_divisor
+        self.row_optimizer.begin_world()
+        fill(self.head.rows, self.row_optimizer.buffer)
+        self.row_optimizer.load_meta(dense["head"])
+        self._load_pair_and_neck(dense)
 
     def parameters(self) -> list[torch.nn.Parameter]:
         neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []

@@ -1,0 +1,187 @@
+"""Horovod elastic's commit of the sharded head: own range + one replica per rank, re-assembled after a reset.
+
+Ranks are threads (:mod:`test_sharded_head`'s ``ThreadGroup``) running the
+real handler, planning and block-moving code; tests/distributed/test_elastic.py
+runs it under ``horovodrun`` with hosts removed and added.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from test_sharded_head import C, D, TRACE_SPEC, Member, ThreadGroup, head_steps  # noqa: E402
+
+from pksampler.train.engine.elastic import HeadHandler  # noqa: E402
+from pksampler.train.modeling import head_replicas  # noqa: E402
+from pksampler.train.modeling.head_replicas import HeadRowsLost, replica_shift  # noqa: E402
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
+from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD  # noqa: E402
+
+
+class Rank(Member):
+    """A threaded rank with the all-to-all and object broadcast the elastic handler uses."""
+
+    def _objects(self, value):
+        self.group.slots[self.rank] = value
+        self.group.barrier.wait()
+        every = list(self.group.slots)
+        self.group.barrier.wait()
+        return every
+
+    def alltoall(self, tensor, splits):
+        every = self._objects((tensor.detach().clone(), list(splits)))
+        parts = []
+        for sent, sizes in every:
+            offset = sum(sizes[:self.rank])
+            parts.append(sent[offset:offset + sizes[self.rank]])
+        return torch.cat(parts)
+
+    def broadcast_object(self, value, root=0, *, name=""):
+        return self._objects(value)[root]
+
+
+def run_each(world: int, work) -> list:
+    """``work(rank)`` on ``world`` threads; each rank's result or the exception it raised (nothing hangs)."""
+    group, results = ThreadGroup(world), [None] * world
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = work(Rank(group, rank))
+        except BaseException as error:  # noqa: BLE001 - returned to the caller
+            results[rank] = error
+
+    threads = [threading.Thread(target=target, args=(rank,)) for rank in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not any(thread.is_alive() for thread in threads), "a rank hangs"
+    return results
+
+
+def _member(group: Rank, hosts: list[int]):
+    """A rank's head, row optimizer and elastic handler (a real HeadedLoss with an empty pair loss)."""
+    head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
+    rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
+    loss = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0)
+    return head, rows, HeadHandler(loss, grad_divisor=lambda: 1.0, host=lambda: hosts[head.collectives.rank])
+
+
+def test_the_replica_goes_to_another_host():
+    assert replica_shift([7]) == 0
+    assert replica_shift([0, 0, 0]) == 1  # one host: a neighbour still covers one rank's loss
+    assert replica_shift([0, 0, 1, 1]) == 2 and replica_shift([0, 0, 0, 1, 1, 1]) == 3
+    assert replica_shift([3, 4, 5, 6]) == 1
+    shift = replica_shift([0, 0, 0, 1])  # no shift separates every pair: the most that are
+    assert sum(h != [0, 0, 0, 1][(r - shift) % 4] for r, h in enumerate([0, 0, 0, 1])) == 2
+
+
+def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_process(monkeypatch):
+    """W = 4 on 2 hosts commits; a host leaves (W = 2, Horovod skips the sync); a host of one joins (W = 3).
+
+    Each rank holds its range and the range of rank (r − 2) mod 4 (the other host), in rows, never C;
+    the commits move blocks of 3 rows; the loss trace goes on as one process's."""
+    monkeypatch.setattr(head_replicas, "BLOCK_BYTES", 3 * 2 * D * 4)  # 3 rows (and momentum) per all-to-all
+    hosts = [0, 0, 1, 1]
+    straight = run_each(1, lambda g: head_steps(*_member(g, [0])[:2], range(7)))[0]
+
+    def first(group):
+        head, rows, handler = _member(group, hosts)
+        handler.sync()  # a fresh start: no copy anywhere, the initial rows
+        losses = head_steps(head, rows, range(3))
+        handler.save()
+        head_steps(head, rows, range(3, 4))  # rolled back by the reset
+        return losses, head, rows, handler
+
+    ranks = run_each(4, first)
+    for rank, (_, _, _, handler) in enumerate(ranks):
+        own, replica = handler.copies
+        assert (own.lo, own.hi) == shard_range(C, 4, rank) and (replica.lo, replica.hi) == shard_range(C, 4, (rank - 2) % 4)
+        assert own.rows.shape == own.momentum.shape == (own.hi - own.lo, 1, D)
+        assert replica.rows.shape[0] + own.rows.shape[0] <= 2 * -(-C // 4) < C
+    survivors = ranks[:2]  # host 1 left
+
+    def second(group):
+        _, head, rows, handler = survivors[group.rank]
+        head.collectives = group
+        handler.reshard()  # the reset callback; the body assembles (no sync: hosts only left)
+        handler.ensure_current()
+        assert (head.lo, head.hi) == shard_range(C, 2, group.rank)
+        losses = head_steps(head, rows, range(3, 5))
+        handler.save()
+        return losses, head, rows, handler
+
+    then = run_each(2, second)
+    assert all(not isinstance(r, BaseException) for r in then), then
+
+    def third(group):
+        if group.rank == 2:  # a joiner: a fresh head for this world, nothing committed
+            head, rows, handler = _member(group, [0, 0, 1])
+        else:
+            _, head, rows, handler = then[group.rank]
+            head.collectives = group
+            handler.reshard()
+        handler.sync()
+        return head_steps(head, rows, range(5, 7))
+
+    last = run_each(3, third)
+    assert all(not isinstance(r, BaseException) for r in last), last
+    assert last[0] == last[1] == last[2]
+    trace = ranks[0][0] + then[0][0] + last[0]
+    assert np.allclose(trace, straight, rtol=1e-6, atol=0), (trace, straight)
+
+
+def test_a_range_held_by_no_rank_raises_on_every_rank():
+    """Four hosts of one rank: rank r's replica is on rank r + 1; ranks 1 and 2 leave together, and with them
+    both copies of rank 1's range. Both survivors raise the same error, naming the class ids; none waits."""
+    hosts = [0, 1, 2, 3]
+
+    def first(group):
+        head, rows, handler = _member(group, hosts)
+        handler.sync()
+        head_steps(head, rows, range(2))
+        handler.save()
+        return head, handler
+
+    ranks = run_each(4, first)
+    survivors = [ranks[0], ranks[3]]
+
+    def second(group):
+        head, handler = survivors[group.rank]
+        head.collectives = group
+        handler.reshard()
+        handler.ensure_current()
+
+    errors = run_each(2, second)
+    lo, hi = shard_range(C, 4, 1)
+    assert all(isinstance(e, HeadRowsLost) for e in errors), errors
+    assert all(f"class ids [{lo}, {hi})" in str(e) and "last.pt" in str(e) for e in errors)
+    assert len({str(e) for e in errors}) == 1
+
+
+def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
+    straight = run_each(1, lambda g: head_steps(*_member(g, [0])[:2], range(4)))[0]
+
+    def before(group):
+        head, rows, _ = _member(group, [0])
+        return head_steps(head, rows, range(2)), {"pair": {}, "head": rows.state_dict()}
+
+    (losses, saved), = run_each(1, before)
+
+    def resumed(group):
+        head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
+        loss = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0)
+        handler = HeadHandler(loss, grad_divisor=lambda: 1.0, resumed=saved if group.rank == 0 else None,
+                              host=lambda: group.rank)
+        handler.sync()
+        return head_steps(head, rows, range(2, 4))
+
+    after = run_each(3, resumed)
+    assert np.allclose(losses + after[0], straight, rtol=1e-6, atol=0) and after[0] == after[2]
