@@ -185,3 +185,16 @@ def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
 
     after = run_each(3, resumed)
     assert np.allclose(losses + after[0], straight, rtol=1e-6, atol=0) and after[0] == after[2]
+
+
+def test_the_memory_check_counts_the_committed_copies_under_horovod_elastic():
+    from pksampler.train.errors import ConfigError
+    from pksampler.train.modeling.sharded_head import check_head_memory, head_memory
+
+    need = head_memory(10**6, 128, 1, 4)
+    assert need["elastic_commit"] == 8 * need["rows"]  # shares of the range: it shrinks with W, never C
+    assert head_memory(10**6, 128, 1, 64)["elastic_commit"] == need["elastic_commit"] // 16
+    plain = need["rows"] + need["momentum"] + need["clock"] + need["checkpoint"]
+    check_head_memory(10**6, 128, 1, world=4, available=plain)
+    with pytest.raises(ConfigError, match=r"rows and momentum and Horovod elastic's committed copies at W=4"):
+        check_head_memory(10**6, 128, 1, world=4, available=plain, elastic=True)

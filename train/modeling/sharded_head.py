@@ -78,11 +78,14 @@ class HeadSpec:
 def head_memory(num_classes: int, dim: int, subcentres: int, world: int) -> dict[str, int]:
     """Bytes one rank holds for the head: its rows and their momentum (fp32, ⌈C/W⌉·k·D each), the row clock
     (8 bytes a row) and, at a checkpoint, rank 0 the whole head's rows and momentum (``checkpoint``), the
-    others one gathered block at a time (``checkpoint_block``, :meth:`ShardedMarginHead.gather_rows`)."""
+    others one gathered block at a time (``checkpoint_block``, :meth:`ShardedMarginHead.gather_rows`). Under
+    Horovod elastic each rank also keeps its committed range and one replica, rows and momentum, and holds the
+    previous commit's until a new one is complete (``elastic_commit``: 8 shares at that peak)."""
     share = -(-num_classes // max(world, 1)) * subcentres * dim * 4
     whole = num_classes * subcentres * dim * 4
     return {"rows": share, "momentum": share, "clock": -(-num_classes // max(world, 1)) * 8,
-            "checkpoint": 2 * whole, "checkpoint_block": min(2 * whole, _GATHER_BLOCK_BYTES)}
+            "checkpoint": 2 * whole, "checkpoint_block": min(2 * whole, _GATHER_BLOCK_BYTES),
+            "elastic_commit": 8 * share}
 
 
 def available_host_bytes() -> int | None:
@@ -108,26 +111,27 @@ def available_host_bytes() -> int | None:
 
 
 def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int, local_ranks: int = 1,
-                      available: int | None = None) -> None:
+                      available: int | None = None, elastic: bool = False) -> None:
     """Refuse, in one line naming ``head.*`` and C, a head that the host's memory cannot hold.
 
     The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, rank 0's copy of the whole
-    head (counted on every host: any host may hold rank 0) and the others' blocks; ``available`` defaults to
-    :func:`available_host_bytes` (skipped when unknown).
+    head (counted on every host: any host may hold rank 0) and the others' blocks; under Horovod elastic
+    (``elastic``) every rank's committed copies too; ``available`` defaults to :func:`available_host_bytes`
+    (skipped when unknown).
     """
     available = available_host_bytes() if available is None else available
     if available is None:
         return
     need = head_memory(num_classes, dim, subcentres, world)
-    steady = need["rows"] + need["momentum"] + need["clock"]
+    steady = need["rows"] + need["momentum"] + need["clock"] + (need["elastic_commit"] if elastic else 0)
     total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
     if total > available:
-        gib = 1 << 30
+        gib, copies = 1 << 30, " and Horovod elastic's committed copies" if elastic else ""
         raise ConfigError(
             f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
             f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB on this host ({local_ranks} rank(s) × "
-            f"{steady / gib:.2f} GiB of rows and momentum at W={world}, plus {need['checkpoint'] / gib:.2f} GiB for "
-            f"rank 0's checkpoint copy), but {available / gib:.2f} GiB are available: use fewer classes, a "
+            f"{steady / gib:.2f} GiB of rows and momentum{copies} at W={world}, plus "
+            f"{need['checkpoint'] / gib:.2f} GiB for rank 0's checkpoint copy), but {available / gib:.2f} GiB are available: use fewer classes, a "
             "smaller model.embedding_dim or head.subcentres, or hosts with more memory")
 
 
@@ -195,11 +199,12 @@ class ShardedMarginHead(torch.nn.Module):
     """
 
     def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0,
-                 local_ranks: int = 1) -> None:
+                 local_ranks: int = 1, elastic: bool = False) -> None:
         super().__init__()
         if spec.name not in HEADS:
             raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
-        check_head_memory(num_classes, dim, spec.subcentres, world=collectives.size, local_ranks=local_ranks)
+        check_head_memory(num_classes, dim, spec.subcentres, world=collectives.size, local_ranks=local_ranks,
+                          elastic=elastic)
         self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
