@@ -1,5 +1,5 @@
 """The sharded head's checkpoint: peak RSS per rank when the head is gathered to rank 0 in blocks, against the
-all-gather to every rank that Horovod elastic's in-memory commit still uses.
+all-gather to every rank that checkpoints (and Horovod elastic's commit) used before.
 
 Run: .venv/bin/python benchmarks/head_checkpoint_memory.py [--np 2] [--classes 2000000]
 
@@ -10,8 +10,8 @@ ArcFace step, then builds the loss's checkpoint state as the trainer does
 
 * ``root``: ``state_dict()`` (the checkpoint): rows and momentum reach rank 0
   in blocks of 64 MiB per collective; the other ranks hold one block at a time;
-* ``everywhere``: ``state_dict(everywhere=True)`` (a Horovod elastic commit, and
-  every checkpoint before): one all-gather, the whole head on every rank.
+* ``everywhere``: ``state_dict(everywhere=True)`` (every checkpoint and Horovod
+  elastic commit before): one all-gather, the whole head on every rank.
 
 Printed per mode: each rank's peak RSS and the RSS before the checkpoint.
 C = 2·10⁶ × 128 × 4 bytes is a 0.95 GiB head (rows; as much again of momentum).

@@ -282,7 +282,7 @@ class ShardedMarginHead(torch.nn.Module):
         By default only rank 0 receives them (None elsewhere), gathered in blocks of about
         ``_GATHER_BLOCK_BYTES`` per collective, so the other ranks hold one block at a time, not the whole head
         (at 10⁷ × 128 classes that is 9.5 GiB per rank less at a checkpoint). ``everywhere``: one all-gather,
-        every rank receives the whole head (Horovod elastic's in-memory commit).
+        every rank receives the whole head.
         """
         if self.collectives.size == 1:
             return local.cpu()

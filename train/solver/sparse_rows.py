@@ -108,7 +108,8 @@ class SparseRowSGD:
     def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:
         """Rows and momentum of the whole head, keyed by class id, decay settled (a collective: every rank calls
         it). Gathered to rank 0 in blocks (``rows`` and ``momentum`` are None on the others), or to every rank
-        with ``everywhere`` (Horovod elastic's in-memory commit)."""
+        with ``everywhere`` (one all-gather; Horovod elastic's commit keeps a range and a replica instead,
+        :mod:`~pksampler.train.modeling.head_replicas`)."""
         self.settle()
         return {**self.head.state_dict_rows(everywhere=everywhere),
                 "momentum": self.head.gather_rows(self.buffer, everywhere=everywhere),
