@@ -198,3 +198,12 @@ def test_the_memory_check_counts_the_committed_copies_under_horovod_elastic():
     check_head_memory(10**6, 128, 1, world=4, available=plain)
     with pytest.raises(ConfigError, match=r"rows and momentum and Horovod elastic's committed copies at W=4"):
         check_head_memory(10**6, 128, 1, world=4, available=plain, elastic=True)
+
+
+def test_alltoall_in_one_process_returns_the_tensor_and_checks_the_splits():
+    from pksampler import comm
+
+    rows = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(comm.alltoall(rows, [3]), rows)
+    with pytest.raises(ValueError, match=r"alltoall\(splits=\): the splits must add up .* \(3\), got \[2\]"):
+        comm.alltoall(rows, [2])
