@@ -75,7 +75,8 @@ def worker(args: argparse.Namespace) -> None:
     replica_of = [c.lo for c in handler.copies[1:]]  # the first class id of the replica's range
     del held
     print("RESULT " + json.dumps({"rank": backend.rank, "before": before, "peak_rss": peak,
-                                  "seconds": statistics.median(seconds), "rows_kept": kept, "replica_of": replica_of}), flush=True)
+                                  "seconds": statistics.median(seconds), "rows_kept": kept,
+                                  "replica_of": replica_of}), flush=True)
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> list[dict[str, float]] | None:

@@ -102,7 +102,8 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
     ranks = run_each(4, first)
     for rank, (_, _, _, handler) in enumerate(ranks):
         own, replica = handler.copies
-        assert (own.lo, own.hi) == shard_range(C, 4, rank) and (replica.lo, replica.hi) == shard_range(C, 4, (rank - 2) % 4)
+        assert (own.lo, own.hi) == shard_range(C, 4, rank)
+        assert (replica.lo, replica.hi) == shard_range(C, 4, (rank - 2) % 4)  # rank r's replica: the other host
         assert own.rows.shape == own.momentum.shape == (own.hi - own.lo, 1, D)
         assert replica.rows.shape[0] + own.rows.shape[0] <= 2 * -(-C // 4) < C
     survivors = ranks[:2]  # host 1 left

@@ -49,8 +49,6 @@ class RowCollectives(Protocol):
     rank: int
     size: int
 
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
     def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor: ...
 
 

@@ -131,7 +131,8 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
             f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
             f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB on this host ({local_ranks} rank(s) × "
             f"{steady / gib:.2f} GiB of rows and momentum{copies} at W={world}, plus "
-            f"{need['checkpoint'] / gib:.2f} GiB for rank 0's checkpoint copy), but {available / gib:.2f} GiB are available: use fewer classes, a "
+            f"{need['checkpoint'] / gib:.2f} GiB for rank 0's checkpoint copy), but {available / gib:.2f} GiB are "
+            "available: use fewer classes, a "
             "smaller model.embedding_dim or head.subcentres, or hosts with more memory")
 
 
