@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from pksampler.train.evaluation import evaluate_retrieval, sharded_retrieval, stratified_queries
+from pksampler.train.evaluation import evaluate_retrieval, recall_standard_error, sharded_retrieval, stratified_queries
 from pksampler.train.evaluation.shard_search import merge_topk, search_shard
 
 
@@ -127,7 +127,22 @@ def test_sampled_queries_are_stratified_the_same_at_every_w_and_reported_with_th
         same_result(result, results[0])
     np.testing.assert_array_equal(results[0].query_ids, queries)
     p, q = results[0].metrics["recall_at_1"], results[0].metrics["num_queries"]
-    assert results[0].metrics["recall_at_1_se"] == pytest.approx(np.sqrt(p * (1 - p) / q))
+    assert results[0].metrics["recall_at_1_se"] == recall_standard_error(p, q)
+    assert results[0].metrics["recall_at_1_se"] == pytest.approx(np.sqrt(p * (1 - p) / q), rel=0.05)
+
+
+def test_the_recall_standard_error_stays_positive_for_one_query_and_is_the_wald_one_for_many():
+    """p = 1 on one query is not a recall known exactly; at Q = 10^4, p = 0.5 it is 0.5 pp (√(p(1−p)/Q))."""
+    assert 0.15 < recall_standard_error(1.0, 1) < 0.5
+    assert 0.15 < recall_standard_error(0.0, 1) < 0.5
+    assert recall_standard_error(1.0, 10) > 0 and recall_standard_error(0.0, 10_000) > 0
+    assert round(recall_standard_error(0.5, 10_000), 4) == 0.0050
+    assert recall_standard_error(0.5, 10_000) == pytest.approx(0.005, rel=1e-3)
+    assert recall_standard_error(0.8, 100_000) == pytest.approx(np.sqrt(0.8 * 0.2 / 100_000), rel=1e-3)
+    assert np.isnan(recall_standard_error(0.5, 0)) and np.isnan(recall_standard_error(float("nan"), 5))
+    x, labels = clustered(seed=1, classes=40)
+    one = run_ranks(2, x, labels, query_ids=[int(np.flatnonzero(labels == labels[0])[1])])[0].metrics
+    assert one["num_queries"] == 1 and one["recall_at_1_se"] > 0.15
 
 
 def test_shard_lists_merge_to_the_whole_gallery_list():

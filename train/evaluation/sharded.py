@@ -58,7 +58,7 @@ class ShardedResult:
     """What :func:`sharded_retrieval` found (the same on every rank).
 
     Attributes:
-        metrics: ``recall_at_{k}``, ``recall_at_1_se`` (√(p(1−p)/Q)), ``precision_at_1``,
+        metrics: ``recall_at_{k}``, ``recall_at_1_se`` (Wilson half-width / 1.96, about √(p(1−p)/Q)), ``precision_at_1``,
             ``r_precision``, ``map_at_r``, ``num_queries`` (queries with R > 0), ``num_excluded``.
         query_ids: global ids of the queries, increasing.
         rows: the global ids whose neighbours were kept (``neighbour_ids=``), in the given order.
