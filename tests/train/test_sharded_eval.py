@@ -7,6 +7,7 @@ real launchers in tests/distributed/test_sharded_eval.py.
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -187,6 +188,87 @@ def test_ranks_that_disagree_or_lose_a_query_fail_on_every_rank_naming_it():
         sharded_retrieval(x, labels, np.arange(labels.size), metric="hamming")
     with pytest.raises(ValueError, match=r"neighbour_ids=\) must be query ids; \[7\] are not"):
         sharded_retrieval(x, labels, np.arange(labels.size), query_ids=[1, 2], neighbour_ids=[7])
+
+
+def shard_errors(world: int, shard) -> list[str]:
+    """Each thread-rank's error for the shard ``shard(rank)`` gives it: (embeddings, labels, ids, options)."""
+    def call(rank: int):
+        embeddings, labels, ids, options = shard(rank)
+        try:
+            sharded_retrieval(embeddings, labels, ids, collectives=ThreadRank(group, rank), **options)
+        except (ValueError, TypeError) as error:
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    group = _Group(world)
+    with ThreadPoolExecutor(world) as pool:
+        return [future.result() for future in [pool.submit(call, rank) for rank in range(world)]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_on_one_rank_raises_the_same_error_naming_that_rank_on_every_rank(world):
+    """Before: the bad rank raised alone and the others were left in the agreement collective."""
+    x, labels = clustered(seed=3, classes=6)
+    ids = np.arange(labels.size)
+
+    def broken(damage):
+        def shard(rank: int):
+            mine = ids % world == rank
+            e, l, i = x[mine].copy(), labels[mine], ids[mine].copy()
+            return damage(e, l, i) if rank == 1 else (e, l, i, {})
+        return shard
+
+    def nan(e, l, i):
+        e[2, 1] = np.nan
+        return e, l, i, {}
+
+    def repeat(e, l, i):
+        i[1] = i[0]
+        return e, l, i, {}
+
+    cases = {
+        nan: r"ValueError: sharded_retrieval: rank 1 of \d: sharded_retrieval\(embeddings=\) must be finite, "
+             r"got nan in row 2, column 1$",
+        repeat: r"ValueError: sharded_retrieval: rank 1 of \d: sharded_retrieval\(ids=\) must be unique global ids, "
+                r"got \d+ twice$",
+        (lambda e, l, i: (e, l[:-1], i, {})): r"ValueError: sharded_retrieval: rank 1 of \d: "
+                                               r"sharded_retrieval\(labels=\) must hold one value per row of "
+                                               r"embeddings= \(\d+\), got \d+$",
+        (lambda e, l, i: (e, l, i, {"ks": (0,)})): r"ValueError: sharded_retrieval: rank 1 of \d: "
+                                                    r"sharded_retrieval\(ks=\) must be positive ints, got \(0,\)$",
+        (lambda e, l, i: (e, l.astype(np.float32), i, {})): r"TypeError: sharded_retrieval: rank 1 of \d: "
+                                                             r"sharded_retrieval\(labels=\) must be numeric",
+    }
+    for damage, pattern in cases.items():
+        messages = shard_errors(world, broken(damage))
+        assert len(set(messages)) == 1, messages
+        assert re.search(pattern, messages[0]), messages[0]
+        assert f"of {world}:" in messages[0]
+    both = shard_errors(world, lambda rank: (x[:3], labels[:3], [0, 0, 1], {"ks": (0,)} if rank else {}))
+    assert len(set(both)) == 1 and "rank 0 of" in both[0] and "(ranks [1" in both[0]
+
+
+def test_errors_name_sharded_retrieval_and_the_argument_the_user_got_wrong():
+    x, labels = clustered(seed=3, classes=6)
+    with pytest.raises(ValueError, match=r"^sharded_retrieval\(ks=\) must be positive ints, got \(0,\)$"):
+        sharded_retrieval(x, labels, np.arange(labels.size), ks=(0,))
+    same = shard_errors(2, lambda rank: (x, labels, np.arange(labels.size), {"ks": (0,)}))
+    assert same == ["ValueError: sharded_retrieval: on every rank: sharded_retrieval(ks=) must be positive ints, "
+                    "got (0,)"] * 2
+    with pytest.raises(ValueError, match=r"sharded_retrieval\(nprobe=\) must be a positive int, got 0"):
+        sharded_retrieval(x, labels, np.arange(labels.size), index="ivf", nprobe=0)
+    # the same global id on two ranks, query_ids= not passed: ids= is at fault, and the ranks are named
+    half = labels.size // 2
+
+    def overlap(rank: int):
+        ids = np.arange(half + 1) if rank == 0 else np.arange(half, 2 * half)  # id `half` on both ranks
+        return x[ids], labels[ids], ids, {}
+
+    messages = shard_errors(2, overlap)
+    assert len(set(messages)) == 1, messages
+    assert re.fullmatch(rf"ValueError: sharded_retrieval\(ids=\) must be unique over all ranks, got global id "
+                        rf"{half} on ranks 0 and 1", messages[0]), messages[0]
+    assert "query_ids" not in messages[0]
 
 
 def test_the_ivf_mode_is_close_to_exact_and_reports_its_own_gap_on_an_exact_sample():
