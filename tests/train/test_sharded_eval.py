@@ -271,6 +271,62 @@ def test_errors_name_sharded_retrieval_and_the_argument_the_user_got_wrong():
     assert "query_ids" not in messages[0]
 
 
+class _Items(torch.utils.data.Dataset):
+    """``count`` held-out items: a fixed vector and a label each."""
+
+    def __init__(self, count: int) -> None:
+        self.x = torch.from_numpy(np.random.default_rng(0).normal(size=(count, 4)).astype(np.float32))
+        self.labels = np.zeros(count, dtype=np.int64)  # one class: every item is a query when there are two
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: int):
+        return self.x[index], int(self.labels[index])
+
+
+@pytest.mark.parametrize("world, count", [(2, 1), (3, 2), (3, 0)])
+def test_a_rank_without_held_out_items_embeds_an_empty_share_of_the_models_dimension(world, count):
+    """Fewer held-out items than ranks: the empty rank has (0, D), and the evaluation runs on every rank."""
+    from pksampler.train.evaluation.heldout import embed_share
+    from pksampler.train.runtime.distributed import Backend
+
+    class ThreadBackend(Backend):
+        def __init__(self, group: _Group, rank: int) -> None:
+            super().__init__()
+            self.group, self.rank, self.size = group, rank, group.size
+
+        def allgather(self, tensor, sizes=None):
+            return torch.cat(self.group.exchange(self.rank, tensor.clone()))
+
+        def allreduce_sum(self, tensor):
+            return torch.stack(self.group.exchange(self.rank, tensor.clone())).sum(dim=0)
+
+        def allgather_numpy(self, row):
+            return np.stack(self.group.exchange(self.rank, np.asarray(row).copy()))
+
+    torch.manual_seed(0)
+    model, items, group = torch.nn.Linear(4, 8), _Items(count), _Group(world)
+
+    def rank_call(rank: int):
+        backend = ThreadBackend(group, rank)
+        local, mine = embed_share(model, items, backend)
+        return local, sharded_retrieval(local, items.labels[mine], mine, collectives=backend)
+
+    with ThreadPoolExecutor(world) as pool:
+        results = [future.result() for future in [pool.submit(rank_call, rank) for rank in range(world)]]
+    shapes = [local.shape for local, _ in results]
+    expected_dim = 8 if count else 0
+    assert shapes == [(len(range(rank, count, world)), expected_dim) for rank in range(world)]
+    assert all(local.dtype == np.float32 for local, _ in results)
+    metrics = [result.metrics for _, result in results]
+    queries = count if count > 1 else 0
+    assert all(m["num_queries"] == queries and m["num_excluded"] == count - queries for m in metrics)
+    if queries:
+        assert metrics[0]["recall_at_1"] == 1.0
+    assert all(str(m) == str(metrics[0]) for m in metrics)
+
+
 def test_the_ivf_mode_is_close_to_exact_and_reports_its_own_gap_on_an_exact_sample():
     x, labels = clustered(seed=6, classes=60, dim=16)
     exact = run_ranks(1, x, labels)[0]
