@@ -7,6 +7,7 @@ real launchers in tests/distributed/test_sharded_eval.py.
 
 from __future__ import annotations
 
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from pksampler.train.evaluation import evaluate_retrieval, sharded_retrieval, stratified_queries
+from pksampler.train.evaluation import evaluate_retrieval, recall_standard_error, sharded_retrieval, stratified_queries
 from pksampler.train.evaluation.shard_search import merge_topk, search_shard
 
 
@@ -127,7 +128,22 @@ def test_sampled_queries_are_stratified_the_same_at_every_w_and_reported_with_th
         same_result(result, results[0])
     np.testing.assert_array_equal(results[0].query_ids, queries)
     p, q = results[0].metrics["recall_at_1"], results[0].metrics["num_queries"]
-    assert results[0].metrics["recall_at_1_se"] == pytest.approx(np.sqrt(p * (1 - p) / q))
+    assert results[0].metrics["recall_at_1_se"] == recall_standard_error(p, q)
+    assert results[0].metrics["recall_at_1_se"] == pytest.approx(np.sqrt(p * (1 - p) / q), rel=0.05)
+
+
+def test_the_recall_standard_error_stays_positive_for_one_query_and_is_the_wald_one_for_many():
+    """p = 1 on one query is not a recall known exactly; at Q = 10^4, p = 0.5 it is 0.5 pp (√(p(1−p)/Q))."""
+    assert 0.15 < recall_standard_error(1.0, 1) < 0.5
+    assert 0.15 < recall_standard_error(0.0, 1) < 0.5
+    assert recall_standard_error(1.0, 10) > 0 and recall_standard_error(0.0, 10_000) > 0
+    assert round(recall_standard_error(0.5, 10_000), 4) == 0.0050
+    assert recall_standard_error(0.5, 10_000) == pytest.approx(0.005, rel=1e-3)
+    assert recall_standard_error(0.8, 100_000) == pytest.approx(np.sqrt(0.8 * 0.2 / 100_000), rel=1e-3)
+    assert np.isnan(recall_standard_error(0.5, 0)) and np.isnan(recall_standard_error(float("nan"), 5))
+    x, labels = clustered(seed=1, classes=40)
+    one = run_ranks(2, x, labels, query_ids=[int(np.flatnonzero(labels == labels[0])[1])])[0].metrics
+    assert one["num_queries"] == 1 and one["recall_at_1_se"] > 0.15
 
 
 def test_shard_lists_merge_to_the_whole_gallery_list():
@@ -172,6 +188,143 @@ def test_ranks_that_disagree_or_lose_a_query_fail_on_every_rank_naming_it():
         sharded_retrieval(x, labels, np.arange(labels.size), metric="hamming")
     with pytest.raises(ValueError, match=r"neighbour_ids=\) must be query ids; \[7\] are not"):
         sharded_retrieval(x, labels, np.arange(labels.size), query_ids=[1, 2], neighbour_ids=[7])
+
+
+def shard_errors(world: int, shard) -> list[str]:
+    """Each thread-rank's error for the shard ``shard(rank)`` gives it: (embeddings, labels, ids, options)."""
+    def call(rank: int):
+        embeddings, labels, ids, options = shard(rank)
+        try:
+            sharded_retrieval(embeddings, labels, ids, collectives=ThreadRank(group, rank), **options)
+        except (ValueError, TypeError) as error:
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    group = _Group(world)
+    with ThreadPoolExecutor(world) as pool:
+        return [future.result() for future in [pool.submit(call, rank) for rank in range(world)]]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_bad_input_on_one_rank_raises_the_same_error_naming_that_rank_on_every_rank(world):
+    """Before: the bad rank raised alone and the others were left in the agreement collective."""
+    x, labels = clustered(seed=3, classes=6)
+    ids = np.arange(labels.size)
+
+    def broken(damage):
+        def shard(rank: int):
+            mine = ids % world == rank
+            e, l, i = x[mine].copy(), labels[mine], ids[mine].copy()
+            return damage(e, l, i) if rank == 1 else (e, l, i, {})
+        return shard
+
+    def nan(e, l, i):
+        e[2, 1] = np.nan
+        return e, l, i, {}
+
+    def repeat(e, l, i):
+        i[1] = i[0]
+        return e, l, i, {}
+
+    cases = {
+        nan: r"ValueError: sharded_retrieval: rank 1 of \d: sharded_retrieval\(embeddings=\) must be finite, "
+             r"got nan in row 2, column 1$",
+        repeat: r"ValueError: sharded_retrieval: rank 1 of \d: sharded_retrieval\(ids=\) must be unique global ids, "
+                r"got \d+ twice$",
+        (lambda e, l, i: (e, l[:-1], i, {})): r"ValueError: sharded_retrieval: rank 1 of \d: "
+                                               r"sharded_retrieval\(labels=\) must hold one value per row of "
+                                               r"embeddings= \(\d+\), got \d+$",
+        (lambda e, l, i: (e, l, i, {"ks": (0,)})): r"ValueError: sharded_retrieval: rank 1 of \d: "
+                                                    r"sharded_retrieval\(ks=\) must be positive ints, got \(0,\)$",
+        (lambda e, l, i: (e, l.astype(np.float32), i, {})): r"TypeError: sharded_retrieval: rank 1 of \d: "
+                                                             r"sharded_retrieval\(labels=\) must be numeric",
+    }
+    for damage, pattern in cases.items():
+        messages = shard_errors(world, broken(damage))
+        assert len(set(messages)) == 1, messages
+        assert re.search(pattern, messages[0]), messages[0]
+        assert f"of {world}:" in messages[0]
+    both = shard_errors(world, lambda rank: (x[:3], labels[:3], [0, 0, 1], {"ks": (0,)} if rank else {}))
+    assert len(set(both)) == 1 and "rank 0 of" in both[0] and "(ranks [1" in both[0]
+
+
+def test_errors_name_sharded_retrieval_and_the_argument_the_user_got_wrong():
+    x, labels = clustered(seed=3, classes=6)
+    with pytest.raises(ValueError, match=r"^sharded_retrieval\(ks=\) must be positive ints, got \(0,\)$"):
+        sharded_retrieval(x, labels, np.arange(labels.size), ks=(0,))
+    same = shard_errors(2, lambda rank: (x, labels, np.arange(labels.size), {"ks": (0,)}))
+    assert same == ["ValueError: sharded_retrieval: on every rank: sharded_retrieval(ks=) must be positive ints, "
+                    "got (0,)"] * 2
+    with pytest.raises(ValueError, match=r"sharded_retrieval\(nprobe=\) must be a positive int, got 0"):
+        sharded_retrieval(x, labels, np.arange(labels.size), index="ivf", nprobe=0)
+    # the same global id on two ranks, query_ids= not passed: ids= is at fault, and the ranks are named
+    half = labels.size // 2
+
+    def overlap(rank: int):
+        ids = np.arange(half + 1) if rank == 0 else np.arange(half, 2 * half)  # id `half` on both ranks
+        return x[ids], labels[ids], ids, {}
+
+    messages = shard_errors(2, overlap)
+    assert len(set(messages)) == 1, messages
+    assert re.fullmatch(rf"ValueError: sharded_retrieval\(ids=\) must be unique over all ranks, got global id "
+                        rf"{half} on ranks 0 and 1", messages[0]), messages[0]
+    assert "query_ids" not in messages[0]
+
+
+class _Items(torch.utils.data.Dataset):
+    """``count`` held-out items: a fixed vector and a label each."""
+
+    def __init__(self, count: int) -> None:
+        self.x = torch.from_numpy(np.random.default_rng(0).normal(size=(count, 4)).astype(np.float32))
+        self.labels = np.zeros(count, dtype=np.int64)  # one class: every item is a query when there are two
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    def __getitem__(self, index: int):
+        return self.x[index], int(self.labels[index])
+
+
+@pytest.mark.parametrize("world, count", [(2, 1), (3, 2), (3, 0)])
+def test_a_rank_without_held_out_items_embeds_an_empty_share_of_the_models_dimension(world, count):
+    """Fewer held-out items than ranks: the empty rank has (0, D), and the evaluation runs on every rank."""
+    from pksampler.train.evaluation.heldout import embed_share
+    from pksampler.train.runtime.distributed import Backend
+
+    class ThreadBackend(Backend):
+        def __init__(self, group: _Group, rank: int) -> None:
+            super().__init__()
+            self.group, self.rank, self.size = group, rank, group.size
+
+        def allgather(self, tensor, sizes=None):
+            return torch.cat(self.group.exchange(self.rank, tensor.clone()))
+
+        def allreduce_sum(self, tensor):
+            return torch.stack(self.group.exchange(self.rank, tensor.clone())).sum(dim=0)
+
+        def allgather_numpy(self, row):
+            return np.stack(self.group.exchange(self.rank, np.asarray(row).copy()))
+
+    torch.manual_seed(0)
+    model, items, group = torch.nn.Linear(4, 8), _Items(count), _Group(world)
+
+    def rank_call(rank: int):
+        backend = ThreadBackend(group, rank)
+        local, mine = embed_share(model, items, backend)
+        return local, sharded_retrieval(local, items.labels[mine], mine, collectives=backend)
+
+    with ThreadPoolExecutor(world) as pool:
+        results = [future.result() for future in [pool.submit(rank_call, rank) for rank in range(world)]]
+    shapes = [local.shape for local, _ in results]
+    expected_dim = 8 if count else 0
+    assert shapes == [(len(range(rank, count, world)), expected_dim) for rank in range(world)]
+    assert all(local.dtype == np.float32 for local, _ in results)
+    metrics = [result.metrics for _, result in results]
+    queries = count if count > 1 else 0
+    assert all(m["num_queries"] == queries and m["num_excluded"] == count - queries for m in metrics)
+    if queries:
+        assert metrics[0]["recall_at_1"] == 1.0
+    assert all(str(m) == str(metrics[0]) for m in metrics)
 
 
 def test_the_ivf_mode_is_close_to_exact_and_reports_its_own_gap_on_an_exact_sample():

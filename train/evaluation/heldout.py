@@ -81,11 +81,19 @@ def embed_share(model: torch.nn.Module, dataset, backend: Backend, batch_size: i
                 view: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """This rank's share of the embeddings, kept here: items ``rank, rank + W, ...`` and their positions.
 
-    Nothing is gathered: at catalogue scale no rank holds every embedding.
+    No embedding is gathered: at catalogue scale no rank holds every one. A
+    rank whose share is empty (fewer items than ranks) gets ``(0, D)`` with
+    the model's embedding dimension D, which the ranks agree on in one small
+    collective (call this on every rank).
     """
     mine = np.arange(backend.rank, len(dataset), backend.size, dtype=np.int64)
-    local = _embed_rows(model, dataset, mine, backend, batch_size, workers, view)
-    return local.cpu().numpy().reshape(mine.size, -1), mine
+    local = _embed_rows(model, dataset, mine, backend, batch_size, workers, view).cpu().numpy()
+    local = local.reshape(mine.size, -1) if mine.size else local
+    if backend.size > 1:  # an empty share has no row to tell D: take it from the ranks that embedded some
+        dims = backend.allgather_numpy(np.array([local.shape[1] if mine.size else -1], dtype=np.int64))[:, 0]
+        if not mine.size:
+            local = np.zeros((0, max(int(dims.max()), 0)), dtype=np.float32)
+    return local, mine
 
 
 class _FlagUnreadable(Dataset):

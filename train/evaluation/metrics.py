@@ -248,15 +248,22 @@ def evaluate_retrieval(
     return RetrievalResult(metrics, wanted, keep_ids[slot[wanted]], keep_dist[slot[wanted]], metric)
 
 
-def _check_options(metric: str, ks: Sequence[int], **counts: Any) -> tuple[int, ...]:
-    """Validate the metric, the ks and the positive-int options; returns ks as a tuple."""
-    _check_metric("retrieval_metrics", metric)
-    ks = tuple(ks)
+def _check_options(metric: str, ks: Sequence[int], *, owner: str = "retrieval_metrics",
+                   **counts: Any) -> tuple[int, ...]:
+    """Validate the metric, the ks and the positive-int options; returns ks as a tuple.
+
+    ``owner`` is the public function the user called, named in the error.
+    """
+    _check_metric(owner, metric)
+    try:
+        ks = tuple(ks)
+    except TypeError:
+        raise ValueError(f"{owner}(ks=) must be a sequence of positive ints, got {ks!r}") from None
     if not ks or any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in ks):
-        raise ValueError(f"retrieval_metrics(ks=) must be positive ints, got {ks!r}")
+        raise ValueError(f"{owner}(ks=) must be positive ints, got {ks!r}")
     for arg, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ValueError(f"retrieval_metrics({arg}=) must be a positive int, got {value!r}")
+            raise ValueError(f"{owner}({arg}=) must be a positive int, got {value!r}")
     return ks
 
 

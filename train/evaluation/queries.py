@@ -7,8 +7,10 @@ its share of the count (largest remainders first, equal ones in a keyed
 random class order), and within a class the
 items with the smallest keyed hash of their position are taken.
 
-Recall@1 over a sample of Q queries carries a standard error of
-√(p(1−p)/Q): 0.5 percentage points at Q = 10⁴ (:func:`recall_standard_error`).
+Recall@1 over a sample of Q queries carries a standard error of about
+√(p(1−p)/Q): 0.5 percentage points at Q = 10⁴ (:func:`recall_standard_error`,
+which takes the Wilson interval's half-width / 1.96, so it stays positive at
+p = 0 or 1 and for a handful of queries).
 """
 
 from __future__ import annotations
@@ -66,8 +68,20 @@ def stratified_queries(labels: Any, count: int, *, seed: int = 0) -> np.ndarray:
     return np.sort(order[rank_in_class < quota[codes[order]]]).astype(np.int64)
 
 
+#: the normal quantile of the 95% interval the standard error is read from
+_Z = 1.959963984540054
+
+
 def recall_standard_error(recall: float, queries: int) -> float:
-    """√(p(1−p)/Q): the standard error of a recall measured on ``queries`` sampled queries (NaN for none)."""
+    """The standard error of a recall measured on ``queries`` sampled queries (NaN for none).
+
+    The Wilson score interval's half-width divided by z = 1.96:
+    √(p(1−p)/Q + z²/(4Q²)) / (1 + z²/Q). For large Q it is √(p(1−p)/Q)
+    (0.5 pp at Q = 10⁴, p = 0.5), but unlike that Wald form it stays positive
+    at p = 0 or p = 1 (e.g. 0.20 for one query that was right), where
+    √(p(1−p)/Q) would claim a recall known exactly.
+    """
     if queries < 1 or not math.isfinite(recall):
         return float("nan")
-    return math.sqrt(max(recall * (1.0 - recall), 0.0) / queries)
+    p, z2 = min(max(recall, 0.0), 1.0), _Z * _Z
+    return math.sqrt(p * (1.0 - p) / queries + z2 / (4.0 * queries * queries)) / (1.0 + z2 / queries)

@@ -58,7 +58,7 @@ class ShardedResult:
     """What :func:`sharded_retrieval` found (the same on every rank).
 
     Attributes:
-        metrics: ``recall_at_{k}``, ``recall_at_1_se`` (√(p(1−p)/Q)), ``precision_at_1``,
+        metrics: ``recall_at_{k}``, ``recall_at_1_se`` (Wilson half-width / 1.96, about √(p(1−p)/Q)), ``precision_at_1``,
             ``r_precision``, ``map_at_r``, ``num_queries`` (queries with R > 0), ``num_excluded``.
         query_ids: global ids of the queries, increasing.
         rows: the global ids whose neighbours were kept (``neighbour_ids=``), in the given order.
@@ -114,8 +114,9 @@ def _prepare_shard(embeddings: Any, labels: Any, ids: Any, metric: str):
     for start in range(0, shard.shape[0], _ROW_BLOCK):
         block = shard[start:start + _ROW_BLOCK]
         if not np.isfinite(block).all():
-            row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
-            raise ValueError(f"sharded_retrieval(embeddings=) contains NaN or Inf (first in row {row})")
+            row, column = (int(v[0]) for v in np.nonzero(~np.isfinite(block)))
+            raise ValueError(f"sharded_retrieval(embeddings=) must be finite, got {block[row, column]} in row "
+                             f"{start + row}, column {column}")
     count = shard.shape[0]
     labels = as_numpy(labels, name="sharded_retrieval(labels=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
     ids = as_numpy(ids, name="sharded_retrieval(ids=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
@@ -129,7 +130,8 @@ def _prepare_shard(embeddings: Any, labels: Any, ids: Any, metric: str):
         order = np.argsort(ids, kind="stable")
         ids, labels, shard = ids[order], labels[order], shard[order]
         if not (np.diff(ids) > 0).all():
-            raise ValueError("sharded_retrieval(ids=) must be unique: a global id repeats on this rank")
+            repeated = int(ids[1:][np.diff(ids) == 0][0])
+            raise ValueError(f"sharded_retrieval(ids=) must be unique global ids, got {repeated} twice")
     if metric == "cosine":
         shard = _normalised(shard)
     return shard, labels, ids
@@ -148,13 +150,52 @@ def _fingerprint(*values: Any) -> int:
     return int.from_bytes(digest.digest()[:7], "little")
 
 
-def _agree(collectives, query_ids: np.ndarray | None, neighbour_ids: np.ndarray | None, dim: int, **options) -> None:
-    """Raise on every rank (not hang) when the ranks passed different options, query ids or dimensions."""
+#: bytes of a rank's error message that travel in the agreement row (longer ones are cut)
+_MESSAGE_BYTES = 512
+
+
+def _encode_message(message: str | None) -> np.ndarray:
+    raw = (message or "").encode("utf-8")[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+    return np.frombuffer(raw, dtype=np.int64)
+
+
+def _decode_message(values: np.ndarray) -> str:
+    return np.ascontiguousarray(values, dtype=np.int64).tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
+
+
+#: the error types a rank's bad input may raise, coded 1, 2, ... in the agreement row
+_ERRORS = (ValueError, TypeError)
+
+
+def _agree(collectives, error: Exception | None, query_ids: np.ndarray | None, neighbour_ids: np.ndarray | None,
+           dim: int, **options) -> None:
+    """Raise on every rank (not hang) when a rank's input was bad or the ranks passed different options.
+
+    Every rank validates its input first and sends its error message (or
+    none) in this one collective, so a rank with bad input and the ranks
+    without all raise the same ValueError, naming the rank.
+    """
     names = ["query_ids", "neighbour_ids", "embedding dimension", *options]
-    mine = [_fingerprint(None if query_ids is None else query_ids.tobytes()),
-            _fingerprint(None if neighbour_ids is None else neighbour_ids.tobytes()), dim,
-            *(_fingerprint(value) for value in options.values())]
-    rows = collectives.allgather_numpy(np.array(mine, dtype=np.int64))
+    if error is None:
+        mine = [_fingerprint(None if query_ids is None else query_ids.tobytes()),
+                _fingerprint(None if neighbour_ids is None else neighbour_ids.tobytes()), dim,
+                *(_fingerprint(value) for value in options.values())]
+    else:
+        mine = [0] * len(names)
+    code = 0 if error is None else 1 + next(i for i, kind in enumerate(_ERRORS) if isinstance(error, kind))
+    head = np.array([code, *mine], dtype=np.int64)
+    rows = collectives.allgather_numpy(np.concatenate([head, _encode_message(None if error is None else str(error))]))
+    failed = np.flatnonzero(rows[:, 0])
+    if failed.size:
+        first = int(failed[0])
+        kind, message = _ERRORS[int(rows[first, 0]) - 1], _decode_message(rows[first, head.size:])
+        if collectives.size == 1:
+            raise kind(message)
+        if failed.size == collectives.size and (rows[:, head.size:] == rows[first, head.size:]).all():
+            raise kind(f"sharded_retrieval: on every rank: {message}")
+        others = f" (ranks {failed[1:].tolist()} also failed)" if failed.size > 1 else ""
+        raise kind(f"sharded_retrieval: rank {first} of {collectives.size}: {message}{others}")
+    rows = rows[:, 1:head.size]
     differ = [name for column, name in enumerate(names) if (rows[:, column] != rows[0, column]).any()]
     if differ:
         raise ValueError(f"sharded_retrieval: the ranks passed different {', '.join(differ)}; every rank must pass "
@@ -177,14 +218,33 @@ def _gather_queries(collectives, labels, ids, query_ids):
     query_labels, moved_l = _gather(collectives, labels[mine])
     found, moved_i = _gather(collectives, ids[mine])
     order = np.argsort(found, kind="stable")
+    _check_unique(collectives, found, order, int(mine.sum()))
     found = found[order]
     expected = found.size if query_ids is None else query_ids.size
-    repeated = found.size > 1 and not (np.diff(found) > 0).all()
-    if found.size != expected or repeated:
+    if found.size != expected:
         raise ValueError(f"sharded_retrieval(query_ids=) names {expected} ids but the ranks hold {found.size} of them"
-                         f"{' (some id on two ranks)' if repeated else ''}: every query id must be in exactly one "
-                         "rank's ids=")
+                         ": every query id must be in exactly one rank's ids=")
     return query_labels[order], found, moved_l + moved_i
+
+
+def _check_unique(collectives, found: np.ndarray, order: np.ndarray, count: int) -> None:
+    """Raise on every rank when a gathered (query) id came from two ranks: ``ids=`` must be unique over all ranks.
+
+    Each rank's ids are unique already (:func:`_prepare_shard`), so a repeat
+    here is the same global id on two ranks. With ``query_ids=None`` every id
+    is gathered, so this checks all of them.
+    """
+    ordered = found[order]
+    repeats = np.flatnonzero(np.diff(ordered) == 0)
+    if not repeats.size:
+        return
+    counts = collectives.allgather_numpy(np.array([count], dtype=np.int64))[:, 0]
+    owner = np.repeat(np.arange(counts.size), counts)  # rank of each gathered row (rank-major)
+    first = int(repeats[0])
+    ranks = sorted({int(owner[order[first]]), int(owner[order[first + 1]])})
+    raise ValueError(f"sharded_retrieval(ids=) must be unique over all ranks, got global id {int(ordered[first])} "
+                     f"on ranks {ranks[0]} and {ranks[-1]}" + (f" ({repeats.size} repeated ids)" if repeats.size > 1
+                                                              else ""))
 
 
 def _chunk_vectors(collectives, shard: np.ndarray, ids: np.ndarray, chunk_ids: np.ndarray) -> tuple[np.ndarray, int]:
@@ -303,22 +363,31 @@ def sharded_retrieval(
         split of the gallery, and with one rank its metrics equal :func:`~.metrics.evaluate_retrieval`'s.
 
     Raises:
-        ValueError: bad arguments, ranks that disagree on the options or query ids, a query id
-            held by no rank (raised on every rank).
+        ValueError: bad arguments on any rank (every rank raises the same error, naming the rank),
+            ranks that disagree on the options or query ids, a global id on two ranks (checked among
+            the queries: every id with ``query_ids=None``), a query id held by no rank (raised on
+            every rank).
     """
-    if index not in ("flat", "ivf"):
-        raise ValueError(f"sharded_retrieval(index=) must be 'flat' or 'ivf', got {index!r}")
-    chunk_size = chunk_size if chunk_size is not None else (4096 if index == "flat" else 1 << 18)
-    ks = _check_options(metric, ks, num_neighbours=num_neighbours, chunk_size=chunk_size, nprobe=nprobe,
-                        check_queries=check_queries, max_neighbours_per_chunk=max_neighbours_per_chunk)
-    if nlist is not None:
-        _check_options(metric, ks, nlist=nlist)
     collectives = _Comm() if collectives is None else collectives
-    query_ids, neighbour_ids = _query_set(query_ids, "query_ids"), _query_set(neighbour_ids, "neighbour_ids")
-    shard, labels, ids = _prepare_shard(embeddings, labels, ids, metric)
-    _agree(collectives, query_ids, neighbour_ids, shard.shape[1], ks=ks, metric=metric, num_neighbours=num_neighbours,
-           chunk_size=chunk_size, budget=max_neighbours_per_chunk, index=index, nlist=nlist, nprobe=nprobe,
-           check=check_queries, seed=seed)
+    chunk_size = chunk_size if chunk_size is not None else (4096 if index == "flat" else 1 << 18)
+    # Every rank validates, then the outcome travels in the agreement collective: a bad input on one
+    # rank raises the same ValueError on every rank instead of leaving the others in a collective.
+    error, shard = None, np.zeros((0, 0), dtype=np.float32)
+    try:
+        if index not in ("flat", "ivf"):
+            raise ValueError(f"sharded_retrieval(index=) must be 'flat' or 'ivf', got {index!r}")
+        ks = _check_options(metric, ks, owner="sharded_retrieval", num_neighbours=num_neighbours,
+                            chunk_size=chunk_size, nprobe=nprobe, check_queries=check_queries,
+                            max_neighbours_per_chunk=max_neighbours_per_chunk)
+        if nlist is not None:
+            _check_options(metric, ks, owner="sharded_retrieval", nlist=nlist)
+        query_ids, neighbour_ids = _query_set(query_ids, "query_ids"), _query_set(neighbour_ids, "neighbour_ids")
+        shard, labels, ids = _prepare_shard(embeddings, labels, ids, metric)
+    except (ValueError, TypeError) as caught:
+        error = caught
+    _agree(collectives, error, query_ids, neighbour_ids, shard.shape[1], ks=ks, metric=metric,
+           num_neighbours=num_neighbours, chunk_size=chunk_size, budget=max_neighbours_per_chunk, index=index,
+           nlist=nlist, nprobe=nprobe, check=check_queries, seed=seed)
     plan = _Plan(ks, num_neighbours, chunk_size, max_neighbours_per_chunk)
     exact = _exact_search(shard, ids, metric)
     if index == "flat":
