@@ -29,9 +29,9 @@ from pksampler.datasets import ImageLoadError
 from pksampler.datasets.base import LabelledDataset
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
-from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, read_record, write_manifest,
-                                             write_part)
-from pksampler.train.catalogue.sources import open_source, source_kind
+from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, make_out_folder, read_record,
+                                             write_manifest, write_part)
+from pksampler.train.catalogue.sources import open_source, source_fingerprint, source_kind
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.runtime.loader import to_model_input, worker_context
@@ -116,6 +116,7 @@ def _write(out: Path, model: LoadedModel, plan: PartPlan, part: int, pending: di
     write_part(out, part, embeddings, ids[keep], {
         "first": start, "stop": stop, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
         "model_digest": model.digest, "part_size": plan.part_size, "total": plan.total,
+        "source_digest": plan.source,
         "dim": int(embeddings.shape[1]), "seconds": round(seconds, 3), "rank": backend.rank,
         "world_size": backend.size})
 
@@ -154,7 +155,7 @@ def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, dat
     """Every rank embeds the same model, catalogue and cut into the same folder, or every rank raises."""
     if backend.size == 1:
         return
-    text = f"{model.digest}|{plan.total}|{plan.part_size}|{data}|{out.resolve()}"
+    text = f"{model.digest}|{plan.total}|{plan.part_size}|{plan.source}|{data}|{out.resolve()}"
     row = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64).copy()
     rows = backend.allgather_numpy(row)
     if not (rows == rows[0]).all():
@@ -175,10 +176,11 @@ def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend:
     """
     out = Path(out)
     model = load_model(checkpoint)
+    make_out_folder(out)
     network = backend.setup.prepare_model(model.network)
     dataset = open_source(data, decode_size=model.input_size)
     dataset.transform = model.worker_transform()
-    plan = PartPlan(len(dataset), options.part_size)
+    plan = PartPlan(len(dataset), options.part_size, source_fingerprint(dataset))
     _check_ranks_agree(backend, model, plan, data, out)
     check_existing_parts(out, plan, model.digest)
     mine = plan.parts_of(backend.rank, backend.size)
@@ -211,7 +213,7 @@ def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: E
     manifest = {
         "model": model.describe(),
         "source": {"location": data if data.startswith("s3://") else str(Path(data).resolve()),
-                   "kind": source_kind(data), "images": plan.total},
+                   "kind": source_kind(data), "images": plan.total, "digest": plan.source},
         "plan": {"total": plan.total, "part_size": plan.part_size, "parts": plan.num_parts},
         "dim": int(records[0]["dim"]) if records else model.embedding_dim,
         "count": sum(r["count"] for r in records),
