@@ -83,3 +83,12 @@ def test_the_build_and_query_commands_print_one_line_for_bad_catalogues_and_inde
     err = capsys.readouterr().err
     assert err.splitlines() == [f"error: {catalogue / 'manifest.json'}: dim must be a positive int, got 'abc'; embed "
                                 "the catalogue again (train/embed_catalogue.py)"], err
+
+
+def test_the_query_command_refuses_an_out_that_is_a_file_before_any_work(tmp_path, capsys):
+    (tmp_path / "a_file").write_text("")
+    argv = [str(tmp_path / "q.png"), "--index", str(tmp_path / "no_index"), "--checkpoint", str(tmp_path / "no.pt"),
+            "--out", str(tmp_path / "a_file")]
+    assert cli.query_main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: --out: ") and "cannot be used as a folder" in err, err
