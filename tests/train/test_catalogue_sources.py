@@ -54,7 +54,7 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path):
         "(it does not exist)"]
 
 
-def test_embedding_another_source_into_a_finished_folder_is_refused(tmp_path):
+def test_embedding_another_source_into_a_finished_folder_is_refused(tmp_path, monkeypatch, capsys):
     from catalogue_fixtures import render_folder
 
     from pksampler.train.errors import ConfigError
@@ -69,6 +69,9 @@ def test_embedding_another_source_into_a_finished_folder_is_refused(tmp_path):
         embed_catalogue(checkpoint, str(second), tmp_path / "cat", Backend(), options=options)
     assert (tmp_path / "cat" / "embeddings" / "part-00000.npy").read_bytes() == before
     assert read_manifest(tmp_path / "cat")["source"] == manifest["source"]  # still names the source of its vectors
-    # the same source again: its finished parts are reused
-    assert embed_catalogue(checkpoint, str(first), tmp_path / "cat", Backend(), options=options)["source"] == \
+    # the same source again, spelt relative to another working folder: its finished parts are reused
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert embed_catalogue(checkpoint, "a", tmp_path / "cat", Backend(), options=options)["source"] == \
         manifest["source"]
+    assert "rank 0 embeds 0 part(s), skips 2 finished" in capsys.readouterr().out

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -65,7 +66,10 @@ def source_fingerprint(dataset: LabelledDataset) -> str:
     if isinstance(manifest, dict):
         digest.update(b"shards\0" + json.dumps(manifest, sort_keys=True, default=str).encode())
     elif paths is not None:
-        digest.update(b"files\0" + "\0".join(str(p) for p in paths).encode("utf-8", "surrogateescape"))
+        # relative to the source's root: the same folder spelt another way (relative, absolute) is the same source
+        root = getattr(dataset, "root", None)
+        names = (os.path.relpath(p, root) for p in paths) if root is not None else (str(p) for p in paths)
+        digest.update(b"files\0" + "\0".join(names).encode("utf-8", "surrogateescape"))
     else:
         digest.update(b"items\0" + "\0".join(dataset.describe(i) for i in range(len(dataset))).encode())
     digest.update(b"\0labels\0" + np.ascontiguousarray(np.asarray(dataset.labels, dtype=np.int64)).tobytes())
