@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from pksampler.datasets import SyntheticProducts
+from pksampler.train.catalogue.parts import PartPlan, write_manifest, write_part
 from pksampler.train.config.load import build_config
 from pksampler.train.engine.checkpoint import save_checkpoint
 from pksampler.train.modeling.model import build_model
@@ -26,3 +28,28 @@ def render_folder(root: Path, *, classes: int, per_class: int, image_size: int =
     """``root/<class>/<view>.png``: real PNG files of the synthetic products."""
     SyntheticProducts(classes, per_class, image_size=image_size, root=root)
     return root
+
+
+def clustered(count: int, dim: int, *, classes: int, seed: int = 0) -> np.ndarray:
+    """L2-normalised vectors around ``classes`` centres: the shape of a product catalogue's embeddings."""
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((classes, dim)).astype(np.float32)
+    x = centres[rng.integers(0, classes, count)] + 0.35 * rng.standard_normal((count, dim)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def fake_catalogue(folder, vectors: np.ndarray, *, part_size: int, missing: tuple[int, ...] = ()):
+    """Parts and a manifest as the embedder writes them; ``missing`` ids are left out (bad images)."""
+    plan = PartPlan(len(vectors), part_size)
+    entries = []
+    for part in range(plan.num_parts):
+        start, stop = plan.bounds(part)
+        ids = np.array([i for i in range(start, stop) if i not in missing], dtype=np.int64)
+        write_part(folder, part, vectors[ids], ids, {"first": start, "stop": stop, "count": len(ids), "bad": []})
+        entries.append({"part": part, "count": len(ids), "first": start, "stop": stop})
+    write_manifest(folder, {"model": {"digest": "d" * 64, "checkpoint": "none"},
+                            "source": {"location": str(folder), "kind": "folder", "images": len(vectors)},
+                            "plan": {"total": plan.total, "part_size": part_size, "parts": plan.num_parts},
+                            "dim": vectors.shape[1], "count": sum(e["count"] for e in entries), "bad": len(missing),
+                            "bad_ids": list(missing), "parts": entries})
+    return folder

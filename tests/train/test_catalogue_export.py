@@ -69,3 +69,29 @@ def test_a_file_that_is_not_a_checkpoint_is_named(tmp_path):
         export_model(bad, tmp_path / "model")
     with pytest.raises(ConfigError, match=r"--formats: 'tflite'"):
         export_model(bad, tmp_path / "model", formats=("tflite",))
+
+
+def test_random_bytes_are_not_a_readable_checkpoint_named_as_typed_without_trainer_advice(tmp_path):
+    import subprocess
+    import sys
+
+    from launch import ROOT
+
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ConfigError) as caught:
+        export_model(garbage, tmp_path / "model")
+    message = str(caught.value)
+    assert message.startswith(f"checkpoint: {garbage} is not a readable checkpoint"), message
+    assert "objects other than tensors" not in message and "--no-resume" not in message and "WORKSPACE" not in message
+    with pytest.raises(ConfigError, match=r"^--checkpoint: .*garbage\.pt is not a readable checkpoint"):
+        load_model(garbage)  # embed and query take it as --checkpoint
+    with pytest.raises(ConfigError, match=r"^checkpoint: .*missing\.pt does not exist"):
+        export_model(tmp_path / "missing.pt", tmp_path / "model")
+    # the command line: one line, no traceback
+    result = subprocess.run([sys.executable, str(ROOT / "train" / "export_model.py"), str(garbage), "--out",
+                             str(tmp_path / "m2")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: checkpoint: {garbage} is not a readable checkpoint (not a "
+                                                  "torch file, or damaged); pass a best.pt or last.pt written by "
+                                                  "train/retrieval.py"]

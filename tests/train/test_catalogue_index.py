@@ -2,39 +2,16 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
 import pytest
+from catalogue_fixtures import clustered, fake_catalogue
 
 from pksampler.train.catalogue.index import IndexOptions, build_index, load_index
-from pksampler.train.catalogue.parts import PartPlan, write_manifest, write_part
+from pksampler.train.catalogue.parts import PartPlan
 from pksampler.train.errors import ConfigError
-
-
-def clustered(count: int, dim: int, *, classes: int, seed: int = 0) -> np.ndarray:
-    """L2-normalised vectors around ``classes`` centres: the shape of a product catalogue's embeddings."""
-    rng = np.random.default_rng(seed)
-    centres = rng.standard_normal((classes, dim)).astype(np.float32)
-    x = centres[rng.integers(0, classes, count)] + 0.35 * rng.standard_normal((count, dim)).astype(np.float32)
-    return x / np.linalg.norm(x, axis=1, keepdims=True)
-
-
-def fake_catalogue(folder, vectors: np.ndarray, *, part_size: int, missing: tuple[int, ...] = ()):
-    """Parts and a manifest as the embedder writes them; ``missing`` ids are left out (bad images)."""
-    plan = PartPlan(len(vectors), part_size)
-    entries = []
-    for part in range(plan.num_parts):
-        start, stop = plan.bounds(part)
-        ids = np.array([i for i in range(start, stop) if i not in missing], dtype=np.int64)
-        write_part(folder, part, vectors[ids], ids, {"first": start, "stop": stop, "count": len(ids), "bad": []})
-        entries.append({"part": part, "count": len(ids), "first": start, "stop": stop})
-    write_manifest(folder, {"model": {"digest": "d" * 64, "checkpoint": "none"},
-                            "source": {"location": str(folder), "kind": "folder", "images": len(vectors)},
-                            "plan": {"total": plan.total, "part_size": part_size, "parts": plan.num_parts},
-                            "dim": vectors.shape[1], "count": sum(e["count"] for e in entries), "bad": len(missing),
-                            "bad_ids": list(missing), "parts": entries})
-    return folder
 
 
 @pytest.mark.parametrize("world", range(1, 8))
@@ -116,3 +93,93 @@ def test_the_index_refuses_a_file_that_does_not_match_its_metadata(tmp_path):
         IndexOptions(kind="hnsw")
     with pytest.raises(ConfigError, match=r"no manifest\.json; embed the catalogue first"):
         build_index(tmp_path / "nothing", tmp_path / "index2")
+
+
+def test_the_index_refuses_a_same_size_tampered_file_a_bad_description_and_a_path_outside(tmp_path):
+    catalogue = fake_catalogue(tmp_path / "cat", clustered(50, 8, classes=5), part_size=20)
+    meta = build_index(catalogue, tmp_path / "index")
+    path, described = tmp_path / "index" / "index.faiss", tmp_path / "index" / "index.json"
+    original = path.read_bytes()
+    tampered = bytearray(original)
+    tampered[-5] ^= 0xFF  # one vector changed: same size, another file
+    path.write_bytes(bytes(tampered))
+    with pytest.raises(ConfigError, match=r"^--index: .*index\.faiss is not the file .*index\.json describes "
+                                          r"\(SHA-256 .*half rebuilt\)"):
+        load_index(tmp_path / "index")
+    path.write_bytes(b"XXXX" + original[4:])  # bad magic, digest recorded for it: faiss's own refusal, one line
+    described.write_text(json.dumps({**meta, "index_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}))
+    with pytest.raises(ConfigError, match=r"^--index: .*index\.faiss is not a readable faiss index"):
+        load_index(tmp_path / "index")
+    path.write_bytes(original)
+    (tmp_path / "outside.faiss").write_bytes(original)
+    for name in ("../outside.faiss", str(tmp_path / "outside.faiss"), "sub/index.faiss", ".."):
+        described.write_text(json.dumps({**meta, "index_file": name}))
+        with pytest.raises(ConfigError, match=r"index_file .* must be a plain file name inside"):
+            load_index(tmp_path / "index")
+    described.write_text("{bad")
+    with pytest.raises(ConfigError, match=r"^--index: .*index\.json cannot be read \("):
+        load_index(tmp_path / "index")
+    described.write_text(json.dumps(meta))
+    assert load_index(tmp_path / "index").metadata["count"] == 50
+
+
+def test_a_manifest_count_that_disagrees_with_its_part_file_is_refused(tmp_path):
+    catalogue = fake_catalogue(tmp_path / "cat", clustered(30, 8, classes=3), part_size=10)
+    manifest = json.loads((catalogue / "manifest.json").read_text())
+    manifest["parts"][1]["count"], manifest["count"] = 7, 27  # the part file holds 10 rows
+    (catalogue / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"part-00001\.npy: must be float32 of shape \(7, 8\) as manifest\.json "
+                                          r"says, got float32 \(10, 8\)"):
+        build_index(catalogue, tmp_path / "index")
+    manifest["count"] = 30  # totals that do not add up are refused before any part is read
+    (catalogue / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"manifest\.json: count 30 must be the sum of the parts' counts \(27\)"):
+        build_index(catalogue, tmp_path / "index")
+
+
+def _broken(tmp_path, name):
+    catalogue = fake_catalogue(tmp_path / name, clustered(24, 8, classes=3), part_size=10)
+    return catalogue, json.loads((catalogue / "manifest.json").read_text())
+
+
+def test_ordinary_bad_catalogues_and_outputs_are_one_line_naming_the_file_and_the_rule(tmp_path):
+    catalogue, manifest = _broken(tmp_path, "missing")
+    (catalogue / "embeddings" / "part-00001.npy").unlink()
+    with pytest.raises(ConfigError, match=r"part 1 \(part-00001\.npy\) cannot be read as \.npy arrays"):
+        build_index(catalogue, tmp_path / "index")
+
+    catalogue, _ = _broken(tmp_path, "object")
+    np.save(catalogue / "embeddings" / "part-00001.npy", np.array([object()] * 10, dtype=object), allow_pickle=True)
+    with pytest.raises(ConfigError, match=r"part 1 \(part-00001\.npy\) cannot be read as \.npy arrays"):
+        build_index(catalogue, tmp_path / "index")
+
+    catalogue, _ = _broken(tmp_path, "dim")
+    np.save(catalogue / "embeddings" / "part-00001.npy", np.zeros((10, 4), dtype=np.float32))
+    with pytest.raises(ConfigError, match=r"part-00001\.npy: must be float32 of shape \(10, 8\) .* got float32 "
+                                          r"\(10, 4\)"):
+        build_index(catalogue, tmp_path / "index")
+
+    catalogue, _ = _broken(tmp_path, "ids")
+    np.save(catalogue / "ids" / "part-00002.npy", np.arange(4, dtype=np.int32))
+    with pytest.raises(ConfigError, match=r"ids.part-00002\.npy: must be int64 of shape \(4,\) .* got int32"):
+        build_index(catalogue, tmp_path / "index")
+
+    for name, change, message in [
+            ("noparts", lambda m: m.pop("parts"), r"parts is missing"),
+            ("dimtext", lambda m: m.update(dim="abc"), r"dim must be a positive int, got 'abc'"),
+            ("partsdict", lambda m: m.update(parts={}), r"parts must be a list, got dict"),
+            ("entry", lambda m: m["parts"].__setitem__(0, {"part": 0}), r"parts\[0\] must hold int 'part' and 'count'")]:
+        catalogue, manifest = _broken(tmp_path, name)
+        change(manifest)
+        (catalogue / "manifest.json").write_text(json.dumps(manifest))
+        with pytest.raises(ConfigError, match=r"manifest\.json: " + message):
+            build_index(catalogue, tmp_path / "index")
+
+    catalogue, _ = _broken(tmp_path, "fine")
+    with pytest.raises(ConfigError, match=r"^--kind: ivfpq needs at least 256 vectors .* holds 24; use --kind flat"):
+        build_index(catalogue, tmp_path / "index", options=IndexOptions(kind="ivfpq"))
+    (tmp_path / "a_file").write_text("")
+    for out in (tmp_path / "a_file", tmp_path / "a_file" / "index"):
+        with pytest.raises(ConfigError, match=r"^--out: '.*a_file.*' cannot be used as a folder"):
+            build_index(catalogue, out)
+    assert build_index(catalogue, tmp_path / "index")["count"] == 24

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from catalogue_fixtures import make_checkpoint
 from launch import ROOT
 from synthetic_pack import synthetic_pack, uploaded
@@ -51,3 +52,26 @@ def test_bad_input_is_one_line_naming_the_argument(tmp_path):
     assert run.stderr.strip().splitlines() == [
         f"error: --data: '{tmp_path / 'nowhere'}' is neither a folder, a list file nor an s3:// location "
         "(it does not exist)"]
+
+
+def test_embedding_another_source_into_a_finished_folder_is_refused(tmp_path, monkeypatch, capsys):
+    from catalogue_fixtures import render_folder
+
+    from pksampler.train.errors import ConfigError
+
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    first = render_folder(tmp_path / "a", classes=3, per_class=5)
+    second = render_folder(tmp_path / "b", classes=5, per_class=3)  # as many images, other products
+    options = EmbedOptions(part_size=10, batch_size=5, workers=0)
+    manifest = embed_catalogue(checkpoint, str(first), tmp_path / "cat", Backend(), options=options)
+    before = (tmp_path / "cat" / "embeddings" / "part-00000.npy").read_bytes()
+    with pytest.raises(ConfigError, match=r"^--out/--data: .*cat holds parts embedded from another data source"):
+        embed_catalogue(checkpoint, str(second), tmp_path / "cat", Backend(), options=options)
+    assert (tmp_path / "cat" / "embeddings" / "part-00000.npy").read_bytes() == before
+    assert read_manifest(tmp_path / "cat")["source"] == manifest["source"]  # still names the source of its vectors
+    # the same source again, spelt relative to another working folder: its finished parts are reused
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert embed_catalogue(checkpoint, "a", tmp_path / "cat", Backend(), options=options)["source"] == \
+        manifest["source"]
+    assert "rank 0 embeds 0 part(s), skips 2 finished" in capsys.readouterr().out

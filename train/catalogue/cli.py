@@ -1,7 +1,9 @@
 """The command lines of the catalogue steps; the scripts beside ``train/retrieval.py`` call these.
 
-Bad input is one line on stderr from rank 0 (``error: <argument>: <value>:
-<rule>``) and exit status 2 on every rank; nothing else prints a traceback.
+Bad input is one line on stderr (``error: <argument>: <value>: <rule>``),
+from rank 0 when every rank hits it, else from the rank that did (``error:
+rank 1: ...``), and exit status 2; a rank stopped by a peer says so in one
+line. Only an unexpected error (a bug) prints a traceback, on rank 0.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -31,17 +34,48 @@ def _rank() -> int:
         return 0
 
 
+#: what a rank's collective raises when a peer has exited (its own error says nothing about the cause)
+_PEER_FAILED = ("HorovodInternalError", "DistBackendError")
+
+
 def _run(step: Callable[[], object]) -> int:
-    """Run ``step``; a ConfigError is one line from rank 0 and status 2 (the others wait for it, then exit)."""
+    """Run ``step``; an error is one line on stderr, no traceback, and status 2 (1 for an unexpected one).
+
+    * A ConfigError that every rank raises together (``shown_by_rank0``) is
+      printed by rank 0; the other ranks wait for it, then exit.
+    * Any other ConfigError, or an OSError, is the rank's own (its file, its
+      host): that rank prints it, prefixed with its rank when not 0, and exits.
+    * A collective that failed because a peer exited is one line saying so:
+      the peer printed the cause.
+    * Anything else: rank 0 prints the traceback (a bug), other ranks one line.
+    """
+    rank = _rank()
+    where = f"rank {rank}: " if rank else ""
     try:
         step()
     except ConfigError as error:
-        if _rank() == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
+        if rank == 0 or not getattr(error, "shown_by_rank0", False):
+            print(f"error: {where}{error}", file=sys.stderr, flush=True)
             return 2
         signal.signal(signal.SIGTERM, lambda *_: os._exit(2))
         time.sleep(_PEER_WAIT_SECONDS)
         return 2
+    except OSError as error:
+        print(f"error: {where}{error}", file=sys.stderr, flush=True)
+        return 2
+    except Exception as error:  # noqa: BLE001 - shown once, then a non-zero exit
+        if type(error).__name__ in _PEER_FAILED:
+            print(f"[pksampler] rank {rank}: stopped: a collective failed because another rank stopped "
+                  f"({type(error).__name__}); that rank's error is above", file=sys.stderr, flush=True)
+        elif rank == 0:
+            traceback.print_exc()
+        else:
+            frame = traceback.extract_tb(error.__traceback__)[-1] if error.__traceback__ else None
+            print(f"[pksampler] rank {rank}: {type(error).__name__}: {error}"
+                  f"{f' at {frame.filename}:{frame.lineno}' if frame else ''} (traceback on rank 0)",
+                  file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        return 1
     return 0
 
 

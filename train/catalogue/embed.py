@@ -29,9 +29,9 @@ from pksampler.datasets import ImageLoadError
 from pksampler.datasets.base import LabelledDataset
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
-from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, read_record, write_manifest,
-                                             write_part)
-from pksampler.train.catalogue.sources import open_source, source_kind
+from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, make_out_folder, read_record,
+                                             write_manifest, write_part)
+from pksampler.train.catalogue.sources import open_source, source_fingerprint, source_kind
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.runtime.loader import to_model_input, worker_context
@@ -116,6 +116,7 @@ def _write(out: Path, model: LoadedModel, plan: PartPlan, part: int, pending: di
     write_part(out, part, embeddings, ids[keep], {
         "first": start, "stop": stop, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
         "model_digest": model.digest, "part_size": plan.part_size, "total": plan.total,
+        "source_digest": plan.source,
         "dim": int(embeddings.shape[1]), "seconds": round(seconds, 3), "rank": backend.rank,
         "world_size": backend.size})
 
@@ -150,19 +151,60 @@ def _embed_parts(model: LoadedModel, network: torch.nn.Module, dataset: Labelled
     return progress.images, time.monotonic() - started
 
 
+def _setup_row(error: ConfigError | None) -> np.ndarray:
+    """``[failed, message digest]``: what a rank tells the others about its set-up."""
+    if error is None:
+        return np.zeros(3, dtype=np.int64)
+    digest = np.frombuffer(hashlib.sha256(str(error).encode()).digest()[:16], dtype=np.int64)
+    return np.concatenate([np.ones(1, dtype=np.int64), digest])
+
+
+def _setup_outcome(rows: np.ndarray, rank: int, error: ConfigError | None) -> ConfigError | None:
+    """The error ``rank`` raises after the ranks' set-up rows ``rows`` were gathered; None when every rank is ready.
+
+    A rank that failed raises its own error. Its line is shown by the rank
+    itself unless rank 0 or a lower rank failed with the same message (an
+    error every rank hits is shown once, by rank 0). A rank that did not
+    fail raises "stopped: rank(s) ... hit bad input", shown by rank 0 only.
+    """
+    failed = [r for r in range(len(rows)) if rows[r, 0]]
+    if not failed:
+        return None
+    if error is None:
+        stopped = ConfigError(f"stopped: rank(s) {failed} hit bad input (named above by the rank(s)); nothing was "
+                              "embedded")
+        stopped.shown_by_rank0 = True
+        return stopped
+    error.shown_by_rank0 = rank != 0 and any((rows[r] == rows[rank]).all() for r in range(rank))
+    return error
+
+
+def _agree_on_setup(backend: Backend, error: ConfigError | None) -> None:
+    """Every rank learns whether any rank's set-up failed, so no rank waits in a collective for one that stopped."""
+    if backend.size == 1:
+        if error is not None:
+            raise error
+        return
+    outcome = _setup_outcome(backend.allgather_numpy(_setup_row(error)), backend.rank, error)
+    if outcome is not None:
+        raise outcome
+
+
 def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, data: str, out: Path) -> None:
     """Every rank embeds the same model, catalogue and cut into the same folder, or every rank raises."""
     if backend.size == 1:
         return
-    text = f"{model.digest}|{plan.total}|{plan.part_size}|{data}|{out.resolve()}"
+    text = f"{model.digest}|{plan.total}|{plan.part_size}|{plan.source}|{data}|{out.resolve()}"
     row = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64).copy()
     rows = backend.allgather_numpy(row)
     if not (rows == rows[0]).all():
         differing = sorted({r for r in range(len(rows)) if not (rows[r] == rows[0]).all()})
-        raise ConfigError(f"--checkpoint/--data/--out/--part-size: rank(s) {differing} were given another model, "
-                          f"catalogue, part size or output folder than rank 0 (this rank: {plan.total} images at "
-                          f"{data}, parts of {plan.part_size}, model {model.digest[:12]}, {out}); start every rank "
-                          "with the same arguments")
+        error = ConfigError(f"--checkpoint/--data/--out/--part-size: rank(s) {differing} were given another model, "
+                            f"catalogue, part size or output folder than rank 0 (this rank: {plan.total} images at "
+                            f"{data}, parts of {plan.part_size}, model {model.digest[:12]}, {out}); start every rank "
+                            "with the same arguments")
+        error.shown_by_rank0 = True  # every rank raises it: rank 0 shows it once
+        raise error
 
 
 def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend: Backend, *,
@@ -174,11 +216,17 @@ def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend:
     earlier run of the same model and plan are skipped.
     """
     out = Path(out)
-    model = load_model(checkpoint)
+    try:  # what each rank checks on its own (its files, its host): agreed on before any collective of the work
+        model = load_model(checkpoint)
+        make_out_folder(out)
+        dataset = open_source(data, decode_size=model.input_size)
+        dataset.transform = model.worker_transform()
+        plan = PartPlan(len(dataset), options.part_size, source_fingerprint(dataset))
+    except ConfigError as error:
+        _agree_on_setup(backend, error)
+        raise
+    _agree_on_setup(backend, None)
     network = backend.setup.prepare_model(model.network)
-    dataset = open_source(data, decode_size=model.input_size)
-    dataset.transform = model.worker_transform()
-    plan = PartPlan(len(dataset), options.part_size)
     _check_ranks_agree(backend, model, plan, data, out)
     check_existing_parts(out, plan, model.digest)
     mine = plan.parts_of(backend.rank, backend.size)
@@ -211,7 +259,7 @@ def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: E
     manifest = {
         "model": model.describe(),
         "source": {"location": data if data.startswith("s3://") else str(Path(data).resolve()),
-                   "kind": source_kind(data), "images": plan.total},
+                   "kind": source_kind(data), "images": plan.total, "digest": plan.source},
         "plan": {"total": plan.total, "part_size": plan.part_size, "parts": plan.num_parts},
         "dim": int(records[0]["dim"]) if records else model.embedding_dim,
         "count": sum(r["count"] for r in records),

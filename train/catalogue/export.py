@@ -25,6 +25,7 @@ import torch
 from pksampler.files import atomic_write_bytes
 
 from pksampler.train.catalogue.model import LoadedModel, load_model
+from pksampler.train.catalogue.parts import make_out_folder
 from pksampler.train.errors import ConfigError
 
 __all__ = ["EXPORT_FORMATS", "METADATA_KEY", "export_model", "export_onnx", "export_program", "read_metadata"]
@@ -99,14 +100,16 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     return json.loads(extra[f"{METADATA_KEY}.json"])
 
 
-def export_model(checkpoint: str | Path, out: str | Path, *, formats: tuple[str, ...] = EXPORT_FORMATS
-                 ) -> dict[str, Path]:
-    """Export ``checkpoint`` into the folder ``out`` as ``model.onnx`` and/or ``model.pt2``; returns the paths."""
+def export_model(checkpoint: str | Path, out: str | Path, *, formats: tuple[str, ...] = EXPORT_FORMATS,
+                 checkpoint_argument: str = "checkpoint") -> dict[str, Path]:
+    """Export ``checkpoint`` into the folder ``out`` as ``model.onnx`` and/or ``model.pt2``; returns the paths.
+
+    ``checkpoint_argument`` is how errors name the checkpoint (export_model.py takes it as a positional argument).
+    """
     unknown = [f for f in formats if f not in EXPORT_FORMATS]
     if unknown or not formats:
         raise ConfigError(f"--formats: {','.join(formats)!r} must be one or more of {list(EXPORT_FORMATS)}")
-    model = load_model(checkpoint)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    model = load_model(checkpoint, argument=checkpoint_argument)
+    out = make_out_folder(out)
     writers = {"onnx": export_onnx, "pt2": export_program}
     return {name: writers[name](model, out / f"model.{name}") for name in formats}

@@ -38,7 +38,7 @@ import numpy as np
 
 from pksampler.files import atomic_write_text, atomic_writer
 
-from pksampler.train.catalogue.parts import PartVectors, iter_parts, read_manifest
+from pksampler.train.catalogue.parts import PartVectors, iter_parts, make_out_folder, read_manifest
 from pksampler.train.errors import ConfigError
 
 __all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "Searcher", "build_index", "load_index",
@@ -48,6 +48,8 @@ INDEX_FILE, METADATA_FILE = "index.faiss", "index.json"
 INDEX_KINDS = ("auto", "flat", "ivfflat", "ivfpq")
 #: the fewest results a search asks faiss for (see :func:`search`)
 MIN_SEARCH_K = 10
+#: codes per PQ sub-quantizer (8 bits): its k-means needs at least this many training vectors
+PQ_CENTROIDS = 256
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,13 @@ def _rows(catalogue: Path, manifest: dict[str, Any], positions: np.ndarray) -> t
             ids.append(np.asarray(part_ids[local]))
         offset += len(part_ids)
     return np.concatenate(vectors), np.concatenate(ids)
+
+
+def _check_enough_vectors(kind: str, count: int) -> None:
+    """8-bit PQ trains 256 centroids per sub-quantizer: fewer vectors is one line naming --kind, not faiss's error."""
+    if kind == "ivfpq" and count < PQ_CENTROIDS:
+        raise ConfigError(f"--kind: ivfpq needs at least {PQ_CENTROIDS} vectors to train its codebooks, the "
+                          f"catalogue holds {count}; use --kind flat (exact search) or ivfflat")
 
 
 def _empty_index(kind: str, dim: int, count: int, options: IndexOptions) -> faiss.Index:
@@ -298,6 +307,8 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
     if options.threads:
         faiss.omp_set_num_threads(options.threads)
     kind = _kind(options, count)
+    _check_enough_vectors(kind, count)
+    make_out_folder(out)
     started = time.perf_counter()
     index = _empty_index(kind, dim, count, options)
     _fill(index, kind, catalogue, manifest, options)
@@ -319,18 +330,51 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
     return metadata
 
 
-def load_index(folder: str | Path) -> Searcher:
-    """The index of ``folder``, checked against its metadata (size), set to its nprobe, ready to search."""
-    folder = Path(folder)
+def _file_sha256(path: Path) -> str:
+    """SHA-256 of ``path``, read in 16 MiB blocks (an index may be larger than memory allows twice)."""
+    hasher = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 24), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _read_metadata(folder: Path) -> dict[str, Any]:
+    path = folder / METADATA_FILE
     try:
-        metadata = json.loads((folder / METADATA_FILE).read_text(encoding="utf-8"))
+        metadata = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"--index: {folder} holds no {METADATA_FILE}; build it with train/build_index.py") from None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"--index: {path} cannot be read ({error}); build the index again") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != "pksampler-catalogue-index":
+        raise ConfigError(f"--index: {path} is not a pksampler index description; build the index again")
+    name = metadata.get("index_file", INDEX_FILE)
+    # the index file lives in the folder itself: a path (``../x``, ``/etc/x``, ``a/b``) is never followed
+    if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:
+        raise ConfigError(f"--index: {path}: index_file {name!r} must be a plain file name inside {folder}; "
+                          "build the index again")
+    return metadata
+
+
+def load_index(folder: str | Path) -> Searcher:
+    """The index of ``folder``, checked against its metadata (size and SHA-256), set to its nprobe, ready to search."""
+    folder = Path(folder)
+    metadata = _read_metadata(folder)
     path = folder / metadata.get("index_file", INDEX_FILE)
     if not path.is_file() or path.stat().st_size != metadata.get("index_bytes"):
         raise ConfigError(f"--index: {path} is missing or not the file {folder / METADATA_FILE} describes "
                           f"({metadata.get('index_bytes')} bytes); build the index again")
-    index = faiss.read_index(str(path))
+    digest = _file_sha256(path)
+    if digest != metadata.get("index_sha256"):
+        raise ConfigError(f"--index: {path} is not the file {folder / METADATA_FILE} describes (SHA-256 {digest[:12]}, "
+                          f"expected {str(metadata.get('index_sha256'))[:12]}: changed, damaged or half rebuilt); "
+                          "build the index again")
+    try:
+        index = faiss.read_index(str(path))
+    except RuntimeError as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--index: {path} is not a readable faiss index ({reason}); build the index again") from None
     if metadata.get("nprobe") is not None:
         faiss.extract_index_ivf(index).nprobe = metadata["nprobe"]
     rerank = PartVectors(metadata["catalogue"]) if metadata["kind"] == "ivfpq" else None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +35,7 @@ from pksampler.datasets.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 from pksampler.train.builders import eval_size
 from pksampler.train.config.load import build_config
-from pksampler.train.engine.checkpoint import CheckpointError, load_checkpoint
+from pksampler.train.engine.checkpoint import CheckpointError
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.model import build_model
 
@@ -108,19 +109,46 @@ def _digest(tensors: dict[str, torch.Tensor], preprocessing: dict[str, Any]) -> 
     return hasher.hexdigest()
 
 
-def load_model(checkpoint: str | Path) -> LoadedModel:
+def _read_checkpoint(path: Path, argument: str) -> dict[str, Any]:
+    """The checkpoint's dict, read with ``weights_only=True``; one CheckpointError naming ``argument`` otherwise.
+
+    The trainer's reader advises trainer flags (``--no-resume``); these
+    commands only read a file, so their messages say what the file is not.
+    """
+    if not path.is_file():
+        raise CheckpointError(f"{argument}: {path} does not exist or is not a file; pass a best.pt or last.pt "
+                              "written by train/retrieval.py")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        text = " ".join(str(error).split())
+        if "Unsupported global" in text or "Unsupported class" in text:
+            raise CheckpointError(f"{argument}: {path} was refused: it holds objects other than tensors and plain "
+                                  "data, and loading it could run code; pass a best.pt or last.pt written by "
+                                  "train/retrieval.py") from None
+        raise CheckpointError(f"{argument}: {path} is not a readable checkpoint (not a torch file, or damaged); "
+                              "pass a best.pt or last.pt written by train/retrieval.py") from None
+    except Exception as error:  # truncated zip, not a torch file, ...
+        raise CheckpointError(f"{argument}: {path} is not a readable checkpoint ({type(error).__name__}: "
+                              f"{' '.join(str(error).split())[:200]}); pass a best.pt or last.pt written by "
+                              "train/retrieval.py") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{argument}: {path} holds a {type(state).__name__}, not a pksampler training "
+                              "checkpoint; pass a best.pt or last.pt written by train/retrieval.py")
+    return state
+
+
+def load_model(checkpoint: str | Path, *, argument: str = "--checkpoint") -> LoadedModel:
     """The network of ``checkpoint`` (read with ``weights_only=True``), ready to embed on the CPU.
 
-    Raises a ConfigError naming the file when it is not a pksampler training
-    checkpoint or its tensors do not fit the architecture its config names.
+    Raises a ConfigError naming ``argument`` (as the command line spells it)
+    and the file when it is not a pksampler training checkpoint or its
+    tensors do not fit the architecture its config names.
     """
     path = Path(checkpoint)
-    try:
-        state = load_checkpoint(path)
-    except CheckpointError as error:
-        raise CheckpointError(f"--checkpoint: {error}") from None
+    state = _read_checkpoint(path, argument)
     if not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
-        raise CheckpointError(f"--checkpoint: {path} holds no 'model' and 'config' sections; pass a best.pt or "
+        raise CheckpointError(f"{argument}: {path} holds no 'model' and 'config' sections; pass a best.pt or "
                               "last.pt written by train/retrieval.py")
     config = build_config(state["config"])
     network = build_model(config.model, image_size=config.data.image_size)
@@ -128,7 +156,7 @@ def load_model(checkpoint: str | Path) -> LoadedModel:
         network.load_state_dict(state["model"])
     except RuntimeError as error:
         reason = " ".join(str(error).split())[:300]
-        raise ConfigError(f"--checkpoint: {path}: its tensors do not fit the model its config names ({reason})") \
+        raise ConfigError(f"{argument}: {path}: its tensors do not fit the model its config names ({reason})") \
             from None
     network.eval()
     preprocessing = preprocessing_of(config.data.image_size)

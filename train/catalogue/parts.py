@@ -32,7 +32,7 @@ from pksampler.files import atomic_write_bytes, atomic_write_text
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "finished", "iter_parts", "part_name",
+__all__ = ["MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "finished", "iter_parts", "make_out_folder", "part_name",
            "read_manifest", "read_part", "write_manifest", "write_part"]
 
 MANIFEST = "manifest.json"
@@ -50,6 +50,8 @@ class PartPlan:
 
     total: int
     part_size: int
+    #: the data source's fingerprint (:func:`~pksampler.train.catalogue.sources.source_fingerprint`)
+    source: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.part_size, bool) or not isinstance(self.part_size, int) or self.part_size < 1:
@@ -109,7 +111,7 @@ def finished(out: Path, plan: PartPlan, part: int, digest: str) -> bool:
     """Whether ``part`` is on disk, complete, for this plan and model (a restart skips it)."""
     record = read_record(out, part)
     if record is None or record.get("model_digest") != digest or record.get("part_size") != plan.part_size \
-            or record.get("total") != plan.total:
+            or record.get("total") != plan.total or record.get("source_digest") != plan.source:
         return False
     try:
         embeddings, ids = read_part(out, part)
@@ -119,7 +121,7 @@ def finished(out: Path, plan: PartPlan, part: int, digest: str) -> bool:
 
 
 def check_existing_parts(out: Path, plan: PartPlan, digest: str) -> None:
-    """Refuse to mix: records of another model, or of another cut of the catalogue, in ``out``."""
+    """Refuse to mix: records of another model, of another data source or of another cut of the catalogue, in ``out``."""
     for path in sorted((out / "parts").glob("part-*.json")):
         record = read_record(out, int(path.stem.split("-")[1])) if path.stem.split("-")[1].isdigit() else None
         if record is None:
@@ -132,6 +134,22 @@ def check_existing_parts(out: Path, plan: PartPlan, digest: str) -> None:
             raise ConfigError(f"--part-size/--data: {out} holds parts of {record.get('total')} images in parts of "
                               f"{record.get('part_size')} ({path.name}), this job cuts {plan.total} images into "
                               f"parts of {plan.part_size}; use the same --part-size and --data, or another --out")
+        if record.get("source_digest") != plan.source:
+            raise ConfigError(f"--out/--data: {out} holds parts embedded from another data source ({path.name}: source "
+                              f"{str(record.get('source_digest'))[:12]}, this --data lists {plan.source[:12]}: other "
+                              "images, paths or labels); use another --out, or delete it to embed afresh")
+
+
+def make_out_folder(out: str | Path, argument: str = "--out") -> Path:
+    """Create the output folder ``out`` up front, or one ConfigError naming ``argument`` (a file in the way, no
+    permission) before any work is done."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"{argument}: {str(out)!r} cannot be used as a folder ({error.strerror or error}); "
+                          "name a folder, or a path where one can be created") from None
+    return out
 
 
 def write_manifest(out: Path, manifest: dict[str, Any]) -> Path:
@@ -151,15 +169,64 @@ def read_manifest(out: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: cannot be read: {error}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise ConfigError(f"{path}: not a pksampler catalogue manifest")
+    _check_manifest(path, manifest)
     return manifest
+
+
+def _is_count(value: Any, *, positive: bool = False) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= (1 if positive else 0)
+
+
+def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """The fields the index and the re-rank read, with their types and agreeing counts, or one ConfigError."""
+    def bad(field: str, rule: str) -> ConfigError:
+        return ConfigError(f"{path}: {field} {rule}; embed the catalogue again (train/embed_catalogue.py)")
+
+    for field in ("dim", "count", "parts", "plan"):
+        if field not in manifest:
+            raise bad(field, "is missing")
+    if not _is_count(manifest["dim"], positive=True):
+        raise bad("dim", f"must be a positive int, got {manifest['dim']!r}")
+    plan = manifest["plan"]
+    if not isinstance(plan, dict) or not _is_count(plan.get("part_size"), positive=True):
+        raise bad("plan.part_size", f"must be a positive int, got {plan!r}")
+    parts = manifest["parts"]
+    if not isinstance(parts, list):
+        raise bad("parts", f"must be a list, got {type(parts).__name__}")
+    for number, entry in enumerate(parts):
+        if not isinstance(entry, dict) or not _is_count(entry.get("part")) or not _is_count(entry.get("count")):
+            raise bad(f"parts[{number}]", f"must hold int 'part' and 'count' >= 0, got {entry!r}")
+    if not _is_count(manifest["count"]) or manifest["count"] != sum(e["count"] for e in parts):
+        raise bad("count", f"{manifest['count']!r} must be the sum of the parts' counts "
+                           f"({sum(e['count'] for e in parts)})")
+
+
+def _checked_part(out: Path, entry: dict[str, Any], dim: int, *, mmap: bool) -> tuple[np.ndarray, np.ndarray]:
+    """A part's arrays, refused in one line when they are not what the manifest says (float32 (count, dim), int64
+    (count,))."""
+    emb_path, ids_path, _ = _paths(out, entry["part"])
+    try:
+        embeddings, ids = read_part(out, entry["part"], mmap=mmap)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{out}: part {entry['part']} ({emb_path.name}) cannot be read as .npy arrays ({error}); "
+                          "embed the catalogue again") from None
+    count = entry["count"]
+    if embeddings.dtype != np.float32 or embeddings.ndim != 2 or embeddings.shape != (count, dim):
+        raise ConfigError(f"{emb_path}: must be float32 of shape ({count}, {dim}) as {MANIFEST} says, got "
+                          f"{embeddings.dtype} {embeddings.shape}; embed the catalogue again")
+    if ids.dtype != np.int64 or ids.shape != (count,):
+        raise ConfigError(f"{ids_path}: must be int64 of shape ({count},) as {MANIFEST} says, got {ids.dtype} "
+                          f"{ids.shape}; embed the catalogue again")
+    return embeddings, ids
 
 
 def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True
                ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """``(part, embeddings, ids)`` for every non-empty part in order, one at a time."""
+    """``(part, embeddings, ids)`` for every non-empty part in order, one at a time, each checked against the
+    manifest (dtype, shape, count)."""
     for entry in manifest["parts"]:
         if entry["count"]:
-            embeddings, ids = read_part(Path(out), entry["part"], mmap=mmap)
+            embeddings, ids = _checked_part(Path(out), entry, int(manifest["dim"]), mmap=mmap)
             yield entry["part"], embeddings, ids
 
 

@@ -31,6 +31,7 @@ from pksampler.files import atomic_write_text
 
 from pksampler.train.catalogue.index import load_index
 from pksampler.train.catalogue.model import LoadedModel, load_model
+from pksampler.train.catalogue.parts import make_out_folder
 from pksampler.train.catalogue.sources import open_source
 from pksampler.train.errors import ConfigError
 from pksampler.train.evaluation.render import save_gallery_png
@@ -100,6 +101,7 @@ def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: 
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ConfigError(f"--k: must be a positive int, got {k!r}")
+    out = make_out_folder(out)  # before any work: a file in the way is one line, not a traceback at the end
     searcher = load_index(index_folder)
     metadata = searcher.metadata
     model = load_model(checkpoint)
@@ -123,7 +125,6 @@ def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: 
                           {"rank": r + 1, "id": int(i), "path": dataset.describe(int(i)),
                            "class": dataset.classes[int(dataset.labels[int(i)])], "similarity": round(float(d), 6)}
                           for r, (d, i) in enumerate(zip(row_d, row_i)) if i >= 0]})
-    out = Path(out)
     atomic_write_text(out / "results.jsonl", "".join(json.dumps(line) + "\n" for line in lines))
     shown = [(line, image) for line, image in zip(lines, images) if image is not None][:gallery_rows]
     if shown:

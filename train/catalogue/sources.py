@@ -9,14 +9,19 @@ number is the item's global id in the catalogue.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from pathlib import Path
+
+import numpy as np
 
 from pksampler.datasets import ImageFolderDataset, ListFileDataset, ShardedDataset
 from pksampler.datasets.base import LabelledDataset
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["SOURCE_KINDS", "open_source", "source_kind"]
+__all__ = ["SOURCE_KINDS", "open_source", "source_fingerprint", "source_kind"]
 
 #: the kinds of catalogue location, as :func:`source_kind` names them
 SOURCE_KINDS = ("folder", "list", "shards")
@@ -46,3 +51,26 @@ def open_source(location: str, *, decode_size: int | None = None) -> LabelledDat
         return ImageFolderDataset(location, on_bad="raise", decode_size=decode_size)
     except (OSError, ValueError) as error:
         raise ConfigError(f"--data: {location!r} ({kind}): {error}") from None
+
+
+def source_fingerprint(dataset: LabelledDataset) -> str:
+    """A digest of what ``dataset`` lists: its items (shard manifest, or file paths) and labels, in order.
+
+    Two sources with the same fingerprint number the same items the same way,
+    so parts embedded from one are parts of the other; anything else (another
+    folder, an added or removed image, a relabelled one) changes it.
+    """
+    digest = hashlib.sha256()
+    manifest = getattr(dataset, "manifest", None)
+    paths = getattr(dataset, "paths", None)
+    if isinstance(manifest, dict):
+        digest.update(b"shards\0" + json.dumps(manifest, sort_keys=True, default=str).encode())
+    elif paths is not None:
+        # relative to the source's root: the same folder spelt another way (relative, absolute) is the same source
+        root = getattr(dataset, "root", None)
+        names = (os.path.relpath(p, root) for p in paths) if root is not None else (str(p) for p in paths)
+        digest.update(b"files\0" + "\0".join(names).encode("utf-8", "surrogateescape"))
+    else:
+        digest.update(b"items\0" + "\0".join(dataset.describe(i) for i in range(len(dataset))).encode())
+    digest.update(b"\0labels\0" + np.ascontiguousarray(np.asarray(dataset.labels, dtype=np.int64)).tobytes())
+    return digest.hexdigest()
