@@ -111,7 +111,14 @@ class BlockCache:
 
     def _prepare(self) -> None:
         """Create ``root/pksampler-blocks-v1/locks`` (mode 0700) and check that the blocks folder is safe to use."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            # errno-less, so __init__ refuses it at once instead of serving uncached: the setting is wrong
+            raise NotADirectoryError(
+                f"BlockCache(folder=) (data.args.cache_dir, ShardedDataset(cache_dir=)): {str(self.root)!r} is a "
+                "file or lies under one; the cache needs a folder there (one it can create): choose another "
+                "cache_dir") from None
         for path in (self.folder, self.folder / "locks"):
             with contextlib.suppress(FileExistsError):
                 path.mkdir(mode=0o700)

@@ -87,6 +87,11 @@ def _columnar(labels: Any, owner: str) -> Any | None:
         return np.asarray(labels[:] if hasattr(labels, "__getitem__") else list(labels))
     if module == "pyarrow" and hasattr(labels, "null_count"):
         return _arrow_numpy(labels, owner)
+    if module == "datasets" and isinstance(labels, dict):  # DatasetDict / IterableDatasetDict: splits, not columns
+        splits = list(labels)
+        example = splits[0] if splits else "train"
+        raise TypeError(f"{owner}(labels=) got a {type(labels).__name__} of splits {splits}, not one dataset: "
+                        f"pass one split, e.g. labels=ds[{example!r}] (or its label column, ds[{example!r}]['label'])")
     if module == "datasets" and hasattr(labels, "column_names"):
         for name in ("label", "labels"):
             if name in labels.column_names:

@@ -57,17 +57,22 @@ def _rank() -> int:
 def _report_and_exit(message: str, status: int) -> int:
     """One line from rank 0; every rank exits with ``status``.
 
-    Config and data errors happen on every rank alike. The other ranks wait
-    for rank 0 to print and exit (a launcher then stops them: they still exit
-    with ``status``), so a loaded machine where rank 0 is slower never loses
-    the message.
+    Config and data errors usually happen on every rank alike. The other ranks wait for rank 0 to print and exit
+    (a launcher then stops them: they still exit with ``status``), so a loaded machine where rank 0 is slower never
+    loses the message. A rank still running after the wait hit the error alone (rank 0 went on, or is stuck in a
+    collective waiting for it): it prints the line itself, naming its rank, before it exits.
     """
-    if _rank() == 0:
+    rank = _rank()
+    if rank == 0:
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
         return status
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
-    time.sleep(_PEER_WAIT_SECONDS)
+    previous = signal.signal(signal.SIGTERM, lambda *_: os._exit(status))
+    try:
+        time.sleep(_PEER_WAIT_SECONDS)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(f"[rank {rank}] {message}", file=sys.stderr, flush=True)
     return status
 
 

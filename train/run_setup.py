@@ -208,7 +208,8 @@ def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) 
     spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
                     subcentres=head.subcentres, weight=head.weight)
     module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed,
-                               local_ranks=_local_ranks(), elastic=_horovod_elastic(backend))
+                               local_ranks=_local_ranks(), elastic=_horovod_elastic(backend),
+                               agree_memory=not _horovod_elastic(backend))
     divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
                         grad_divisor=divisor, lr_scale=head.lr_scale)

@@ -145,3 +145,15 @@ def test_a_full_read_only_or_vanished_cache_folder_serves_uncached_with_one_warn
         assert len(outcome["warnings"]) == 1, (case, outcome["warnings"])
         assert errno_name in outcome["warnings"][0] and "data.args.cache_dir" in outcome["warnings"][0], outcome
     assert report["vanished"]["locks_again"]  # what was deleted is there again
+
+
+@pytest.mark.parametrize("below", ["", "sub"])
+def test_a_cache_dir_that_is_a_file_or_under_one_is_refused_naming_cache_dir(tmp_path, below):
+    file = tmp_path / "file"
+    file.write_bytes(b"not a folder")
+    folder = file / below if below else file
+    with pytest.raises(NotADirectoryError) as caught:
+        BlockCache(folder, limit_bytes=4 << 20, block_bytes=1 << 20)
+    message = str(caught.value)
+    assert "cache_dir" in message and str(folder) in message and "is a file or lies under one" in message
+    assert "Errno" not in message

@@ -91,3 +91,53 @@ def test_a_relaunch_never_reads_the_previous_launchs_process_group_keys():
     assert done.returncode == 0, output[-4000:]
     assert sorted(line for line in output.splitlines() if line.startswith("[restart-test] attempt 1")) == [
         "[restart-test] attempt 1 rank 0 sum 3", "[restart-test] attempt 1 rank 1 sum 3"], output[-4000:]
+
+
+@pytest.mark.parametrize("share", ["0", "1"])
+def test_torchrun_sets_up_with_the_agents_store_shared_or_not(share, tmp_path):
+    # With TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 nothing listens at MASTER_PORT until rank 0's env:// store does;
+    # every rank waited 180 s per try on the agent's store there (more than 4 minutes), then died with C++ traces.
+    script = ROOT / "tests" / "distributed" / "torch_init_allreduce.py"
+    command = [*launch_command("torchrun", script)[:3], "--standalone", "--nproc-per-node", "2", "--max-restarts",
+               "0", str(script)]
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": share, "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as sink:  # a file, not a pipe: a rank outliving the launcher cannot hold the test open
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)
+    try:
+        process.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # the launcher (its ranks exit when it is gone)
+        process.wait()
+    output = log.read_text(errors="replace")
+    if process.returncode is None or process.returncode < 0:
+        pytest.fail(f"torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE={share}) hung for 180 s:\n{output[-4000:]}")
+    assert process.returncode == 0, output[-4000:]
+    assert sorted(line for line in output.splitlines() if line.startswith("[init-test]")) == [
+        "[init-test] rank 0 of 2 sum 3", "[init-test] rank 1 of 2 sum 3"], output[-4000:]
+    assert "TCP client failed" not in output, output[-4000:]
+
+
+def test_an_agent_store_that_does_not_answer_is_one_line_not_minutes_of_retries(monkeypatch):
+    # The first connect to the agent's store waited the whole connect budget per try, with C++ retry logs.
+    from launch import free_port
+
+    from pksampler.train.runtime.launch_store import launch_store
+
+    port = free_port()  # nothing listens there
+    for name, value in (("TORCHELASTIC_RUN_ID", "test"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)),
+                        ("TORCHELASTIC_USE_AGENT_STORE", "True")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(TimeoutError) as caught:
+        launch_store(1, connect_seconds=600)
+    message = str(caught.value)
+    assert f"127.0.0.1:{port} did not answer" in message and "\n" not in message
+    for told, disabled in (("False", None), (None, "1")):  # no agent store: torch's own env:// set-up
+        monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE")
+        if told is not None:
+            monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", told)
+        if disabled is not None:
+            monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", disabled)
+        assert launch_store(1, connect_seconds=600) is None

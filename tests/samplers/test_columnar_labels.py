@@ -60,3 +60,14 @@ def test_missing_labels_and_datasets_without_a_label_column_are_refused():
     np.testing.assert_array_equal(extract_labels(ds["y"], owner="test"), [0, 1, 0, 1])
     with pytest.raises(TypeError, match="load it without streaming=True"):
         extract_labels(ds.rename_column("y", "label").to_iterable_dataset(), owner="test")
+
+
+def test_a_dataset_dict_is_refused_naming_its_splits_and_the_fix():
+    ds = _dataset(40, 5)
+    splits = datasets.DatasetDict({"train": ds, "test": ds.select(range(10))})
+    for source in (splits, datasets.IterableDatasetDict({"train": ds.to_iterable_dataset()})):
+        with pytest.raises(TypeError) as caught:
+            DistributedBalancedBatchSampler(source, 2, 2, num_replicas=1, rank=0)
+        message = str(caught.value)
+        assert "of splits ['train'" in message and "pass one split, e.g. labels=ds['train']" in message
+        assert "no 'label' or 'labels' column" not in message

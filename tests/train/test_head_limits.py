@@ -96,3 +96,40 @@ def test_a_checkpoint_gathers_the_head_to_rank_0_alone_in_blocks(monkeypatch):
     assert all(saved["rows"] is None and saved["momentum"] is None for saved, _ in others)
     assert all(torch.equal(whole["rows"], every["rows"]) for _, every in others)
     assert tracked and max(tracked) <= 3 * 5 * row_bytes < C * row_bytes  # a block per collective, never the head
+
+
+def test_a_host_short_of_memory_for_the_head_stops_every_rank_with_the_same_error():
+    # One host short of memory raised on its own rank only; the trainer printed errors from rank 0 alone, so the
+    # run showed only "a collective failed because another rank stopped".
+    import sys
+    import threading
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from test_sharded_head import ThreadGroup
+
+    from pksampler.train.modeling.sharded_head import check_head_memory
+
+    need = head_memory(10**6, 128, 1, 3)
+    roomy = 100 * (need["checkpoint"] + need["rows"] + need["momentum"] + need["clock"])
+    for available in ([roomy, 1, roomy], [roomy, roomy, roomy], [roomy, None, 5]):
+        group = ThreadGroup(3)
+        errors: list = [None] * 3
+
+        def rank_(rank: int) -> None:
+            try:
+                check_head_memory(10**6, 128, 1, world=3, available=available[rank], collectives=group.member(rank))
+            except ConfigError as error:
+                errors[rank] = str(error)
+
+        threads = [threading.Thread(target=rank_, args=(rank,)) for rank in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        short = [rank for rank, free in enumerate(available) if free is not None and free < roomy]
+        if not short:
+            assert errors == [None] * 3
+            continue
+        assert errors[0] is not None and errors == [errors[0]] * 3, errors
+        assert f"on rank {short[-1]}'s host" in errors[0] and errors[0].startswith("head.name: ")
+        assert "\n" not in errors[0]

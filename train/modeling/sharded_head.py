@@ -111,25 +111,40 @@ def available_host_bytes() -> int | None:
 
 
 def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int, local_ranks: int = 1,
-                      available: int | None = None, elastic: bool = False) -> None:
+                      available: int | None = None, elastic: bool = False,
+                      collectives: Collectives | None = None) -> None:
     """Refuse, in one line naming ``head.*`` and C, a head that the host's memory cannot hold.
 
     The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, rank 0's copy of the whole
     head (counted on every host: any host may hold rank 0) and the others' blocks; under Horovod elastic
     (``elastic``) every rank's committed copies too; ``available`` defaults to :func:`available_host_bytes`
-    (skipped when unknown).
+    (skipped when unknown). With ``collectives``, the ranks exchange their need and their host's free memory
+    first, so every rank raises the same error naming the worst rank (one host short of memory would otherwise
+    stop only its own ranks, and the others would fail later in a collective).
     """
     available = available_host_bytes() if available is None else available
-    if available is None:
-        return
     need = head_memory(num_classes, dim, subcentres, world)
     steady = need["rows"] + need["momentum"] + need["clock"] + (need["elastic_commit"] if elastic else 0)
     total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
+    where = "on this host"
+    if collectives is not None and collectives.size > 1:
+        row = np.array([total, -1 if available is None else available], dtype=np.int64)
+        gather = getattr(collectives, "allgather_numpy", None)
+        rows = (np.asarray(gather(row)) if gather is not None else
+                collectives.allgather(torch.from_numpy(row).view(1, 2)).cpu().numpy()).reshape(-1, 2)
+        short = [(int(a) - int(t), rank) for rank, (t, a) in enumerate(rows) if a >= 0 and t > a]
+        if not short:
+            return
+        rank = min(short)[1]  # the rank whose host lacks the most
+        total, available = int(rows[rank, 0]), int(rows[rank, 1])
+        where = f"on rank {rank}'s host"
+    if available is None:
+        return
     if total > available:
         gib, copies = 1 << 30, " and Horovod elastic's committed copies" if elastic else ""
         raise ConfigError(
             f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
-            f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB on this host ({local_ranks} rank(s) × "
+            f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB {where} ({local_ranks} rank(s) × "
             f"{steady / gib:.2f} GiB of rows and momentum{copies} at W={world}, plus "
             f"{need['checkpoint'] / gib:.2f} GiB for rank 0's checkpoint copy), but {available / gib:.2f} GiB are "
             "available: use fewer classes, a "
@@ -197,15 +212,19 @@ class ShardedMarginHead(torch.nn.Module):
         spec: margin kind, scale, margin, expected negatives per step, sub-centres.
         collectives: rank, size, ``allreduce_sum`` and ``allgather`` (the trainer's backend).
         seed: keys the initial rows and the negative draw.
+        agree_memory: check the host memory with one collective, so a host short of it stops every rank with the
+            same error (set by the trainer, where every rank builds its head at once).
     """
 
     def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0,
-                 local_ranks: int = 1, elastic: bool = False) -> None:
+                 local_ranks: int = 1, elastic: bool = False, agree_memory: bool = False) -> None:
         super().__init__()
         if spec.name not in HEADS:
             raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
+        # agree_memory: every rank runs this together (the static trainer), so the memory check is one collective;
+        # never under Horovod elastic, where a joiner builds its head before it meets the survivors
         check_head_memory(num_classes, dim, spec.subcentres, world=collectives.size, local_ranks=local_ranks,
-                          elastic=elastic)
+                          elastic=elastic, collectives=collectives if agree_memory and not elastic else None)
         self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
