@@ -12,7 +12,9 @@ from pksampler.train.runtime.distributed import make_backend
 def main() -> int:
     backend = make_backend("auto", device="cpu", precision="fp32")
     total = backend.allreduce_sum(torch.tensor([float(backend.rank + 1)]))
-    print(f"[init-test] rank {backend.rank} of {backend.size} sum {total.item():g}", flush=True)
+    # one write per line: the ranks share the pipe
+    sys.stdout.write(f"[init-test] rank {backend.rank} of {backend.size} sum {total.item():g}\n")
+    sys.stdout.flush()
     backend.shutdown()
     return 0
 
