@@ -28,7 +28,8 @@ def main() -> int:
             agent.set("pksampler-test/arrived-1", "1")
     backend = TorchBackend("cpu", "fp32", collective_timeout=120)
     total = backend.allreduce_sum(torch.tensor([float(rank + 1)]))
-    sys.stdout.write(f"[restart-test] attempt {attempt} rank {rank} sum {total.item():g}\n")  # one write per line: ranks share the pipe
+    # one write per line: the ranks share the pipe
+    sys.stdout.write(f"[restart-test] attempt {attempt} rank {rank} sum {total.item():g}\n")
     sys.stdout.flush()
     if attempt == 0 and rank == 1:
         return 3  # a failure: the agent relaunches both ranks
