@@ -372,19 +372,11 @@ def sharded_retrieval(
     chunk_size = chunk_size if chunk_size is not None else (4096 if index == "flat" else 1 << 18)
     # Every rank validates, then the outcome travels in the agreement collective: a bad input on one
     # rank raises the same ValueError on every rank instead of leaving the others in a collective.
-    error, shard = None, np.zeros((0, 0), dtype=np.float32)
-    try:
-        if index not in ("flat", "ivf"):
-            raise ValueError(f"sharded_retrieval(index=) must be 'flat' or 'ivf', got {index!r}")
-        ks = _check_options(metric, ks, owner="sharded_retrieval", num_neighbours=num_neighbours,
-                            chunk_size=chunk_size, nprobe=nprobe, check_queries=check_queries,
-                            max_neighbours_per_chunk=max_neighbours_per_chunk)
-        if nlist is not None:
-            _check_options(metric, ks, owner="sharded_retrieval", nlist=nlist)
-        query_ids, neighbour_ids = _query_set(query_ids, "query_ids"), _query_set(neighbour_ids, "neighbour_ids")
-        shard, labels, ids = _prepare_shard(embeddings, labels, ids, metric)
-    except (ValueError, TypeError) as caught:
-        error = caught
+    error, ks, query_ids, neighbour_ids, (shard, labels, ids) = _validate_locally(
+        embeddings, labels, ids, query_ids=query_ids, neighbour_ids=neighbour_ids, ks=ks, metric=metric,
+        index=index, nlist=nlist, options=dict(num_neighbours=num_neighbours, chunk_size=chunk_size, nprobe=nprobe,
+                                               check_queries=check_queries,
+                                               max_neighbours_per_chunk=max_neighbours_per_chunk))
     _agree(collectives, error, query_ids, neighbour_ids, shard.shape[1], ks=ks, metric=metric,
            num_neighbours=num_neighbours, chunk_size=chunk_size, budget=max_neighbours_per_chunk, index=index,
            nlist=nlist, nprobe=nprobe, check=check_queries, seed=seed)
@@ -395,6 +387,23 @@ def sharded_retrieval(
     search, moved = _ivf_search(collectives, shard, ids, metric, nlist=nlist, nprobe=nprobe, seed=seed)
     result = _evaluate(collectives, shard, labels, ids, query_ids, neighbour_ids, search, plan, metric)
     return _certified(collectives, result, shard, labels, ids, exact, plan, metric, check_queries, seed, moved)
+
+
+def _validate_locally(embeddings: Any, labels: Any, ids: Any, *, query_ids: Any, neighbour_ids: Any,
+                      ks: Sequence[int], metric: str, index: str, nlist: int | None,
+                      options: dict[str, int]) -> tuple[Exception | None, Any, Any, Any, tuple]:
+    """This rank's checked arguments, or the error they raised (every rank reports it in the agreement)."""
+    shard = np.zeros((0, 0), dtype=np.float32)
+    try:
+        if index not in ("flat", "ivf"):
+            raise ValueError(f"sharded_retrieval(index=) must be 'flat' or 'ivf', got {index!r}")
+        ks = _check_options(metric, ks, owner="sharded_retrieval", **options)
+        if nlist is not None:
+            _check_options(metric, ks, owner="sharded_retrieval", nlist=nlist)
+        query_ids, neighbour_ids = _query_set(query_ids, "query_ids"), _query_set(neighbour_ids, "neighbour_ids")
+        return None, ks, query_ids, neighbour_ids, _prepare_shard(embeddings, labels, ids, metric)
+    except (ValueError, TypeError) as caught:
+        return caught, ks, query_ids, neighbour_ids, (shard, labels, ids)
 
 
 def _exact_search(shard: np.ndarray, ids: np.ndarray, metric: str) -> Callable:
