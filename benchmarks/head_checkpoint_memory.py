@@ -29,11 +29,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmRSS:"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import rss_bytes as _rss  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
