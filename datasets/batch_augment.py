@@ -30,12 +30,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pksampler.hashing import GOLDEN, splitmix64
+
 from .transforms import IMAGENET_MEAN, IMAGENET_STD
 
 __all__ = ["BatchAugment", "CenterView", "keyed_uniform"]
 
-_MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CROP_TRIES = 10
 # Columns of the per-sample uniform table.
 _AREA, _ASPECT = 0, _CROP_TRIES  # 10 tries each
@@ -43,14 +43,6 @@ _LEFT, _TOP, _FLIP, _ANGLE = 2 * _CROP_TRIES, 2 * _CROP_TRIES + 1, 2 * _CROP_TRI
 _JITTER = 2 * _CROP_TRIES + 4  # brightness, contrast, saturation factors
 _ORDER = _JITTER + 3  # three keys whose ranks give the jitter order
 _DRAWS = _ORDER + 3
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser: a bijection of uint64 that scrambles every input bit into every output bit."""
-    z = (z + _GOLDEN) & _MASK64
-    z = ((z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK64
-    z = ((z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK64
-    return z ^ (z >> np.uint64(31))
 
 
 def keyed_uniform(seed: int, epoch: int, indices: np.ndarray | torch.Tensor | Sequence[int], draws: int) -> np.ndarray:
@@ -63,9 +55,9 @@ def keyed_uniform(seed: int, epoch: int, indices: np.ndarray | torch.Tensor | Se
     if isinstance(draws, bool) or not isinstance(draws, int) or draws < 1:
         raise ValueError(f"keyed_uniform(draws=) must be a positive int, got {draws!r}")
     with np.errstate(over="ignore"):
-        state = _mix(_mix(np.uint64(seed & 0xFFFFFFFFFFFFFFFF)) ^ np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
-        state = _mix(np.full(keys.shape, state, dtype=np.uint64) ^ keys.astype(np.uint64))
-        bits = _mix(state[:, None] ^ (np.arange(draws, dtype=np.uint64)[None, :] * _GOLDEN))
+        state = splitmix64(splitmix64(np.uint64(seed & 0xFFFFFFFFFFFFFFFF)) ^ np.uint64(epoch & 0xFFFFFFFFFFFFFFFF))
+        state = splitmix64(np.full(keys.shape, state, dtype=np.uint64) ^ keys.astype(np.uint64))
+        bits = splitmix64(state[:, None] ^ (np.arange(draws, dtype=np.uint64)[None, :] * GOLDEN))
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

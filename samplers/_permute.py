@@ -22,24 +22,17 @@ from __future__ import annotations
 
 import numpy as np
 
+from pksampler.hashing import GOLDEN as _GOLDEN
+from pksampler.hashing import M1 as _M1
+from pksampler.hashing import M2 as _M2
+from pksampler.hashing import mix64
+
 __all__ = ["keyed_permute", "mix64"]
 
 _ROUNDS = 6
 _TABLE_MAX_SIZE = 32
 _TABLE_ROWS = 1024
 _table: np.ndarray | None = None
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser: a fast, well-mixing bijection of uint64 values."""
-    x = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
 
 
 def _bit_widths(sizes: np.ndarray) -> np.ndarray:

@@ -21,19 +21,15 @@ from typing import Any
 import numpy as np
 
 from pksampler.arrays import as_numpy
+from pksampler.hashing import GOLDEN, mix64
 
 __all__ = ["recall_standard_error", "stratified_queries"]
 
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
-
 
 def _mix(values: np.ndarray, seed: int) -> np.ndarray:
-    """splitmix64 of ``values`` keyed by ``seed``: a fixed pseudo-random key per position."""
+    """SplitMix64's finaliser of ``values + seed·GOLDEN``: a fixed pseudo-random key per position."""
     with np.errstate(over="ignore"):
-        z = values.astype(np.uint64) + np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return (z ^ (z >> np.uint64(31))) & _MASK
+        return mix64(values.astype(np.uint64) + np.uint64(seed & 0xFFFFFFFFFFFFFFFF) * GOLDEN)
 
 
 def stratified_queries(labels: Any, count: int, *, seed: int = 0) -> np.ndarray:

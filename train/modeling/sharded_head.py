@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from pksampler.hashing import splitmix64
+from pksampler.samplers import rank_share
 from pksampler.train.config.schema import MAX_HEAD_SCALE
 from pksampler.train.errors import ConfigError
 
@@ -41,7 +43,6 @@ __all__ = ["HEADS", "HeadSpec", "ShardedMarginHead", "sampled", "shard_range"]
 
 #: ``head.name`` choices
 HEADS = ("arcface", "cosface", "softmax")
-_MIX = np.uint64(0x9E3779B97F4A7C15)
 _INIT_BLOCK = 4096  # classes per initialisation block (a fixed grid, independent of the world size)
 _GATHER_BLOCK_BYTES = 64 << 20  # bytes one collective of a checkpoint's gather brings to each rank
 
@@ -152,17 +153,10 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
 
 
 def shard_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
-    """Rank ``rank``'s rows ``[lo, hi)``: ⌈C/W⌉ for the first C mod W ranks, ⌊C/W⌋ after."""
-    base, extra = divmod(num_classes, world)
-    lo = rank * base + min(rank, extra)
-    return lo, lo + base + (rank < extra)
-
-
-def _splitmix(values: np.ndarray) -> np.ndarray:
-    z = values.astype(np.uint64) + _MIX
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    """Rank ``rank``'s rows ``[lo, hi)``: ⌈C/W⌉ for the first C mod W ranks, ⌊C/W⌋ after (the samplers' split,
+    :func:`pksampler.samplers.rank_share`, as a range)."""
+    lo, count = rank_share(num_classes, world, rank)
+    return lo, lo + count
 
 
 def sampled(class_ids: np.ndarray, *, seed: int, step: int, rate: float) -> np.ndarray:
@@ -173,8 +167,8 @@ def sampled(class_ids: np.ndarray, *, seed: int, step: int, rate: float) -> np.n
     if rate >= 1.0:
         return np.ones(class_ids.shape, dtype=bool)
     with np.errstate(over="ignore"):
-        key = _splitmix(np.array([seed], dtype=np.uint64))[0] ^ _splitmix(np.array([step], dtype=np.uint64))[0]
-        hashed = _splitmix(class_ids.astype(np.uint64) ^ key)
+        key = splitmix64(np.array([seed], dtype=np.uint64))[0] ^ splitmix64(np.array([step], dtype=np.uint64))[0]
+        hashed = splitmix64(class_ids.astype(np.uint64) ^ key)
     return (hashed >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53) < rate
 
 
