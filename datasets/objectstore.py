@@ -46,6 +46,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from pksampler.files import atomic_write_bytes
+from pksampler.locations import OBJECT_STORE_SCHEME, is_remote
 
 __all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
 
@@ -66,15 +67,12 @@ class ObjectChangedError(ObjectStoreError):
     """An object is not the one the pack's manifest describes: replaced, cut or grown on the store since upload."""
 
 
-def is_remote(root: Any) -> bool:
-    return isinstance(root, str) and root.startswith("s3://")
-
-
 def split_url(url: str) -> tuple[str, str]:
     """``s3://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; a bad URL is a ValueError naming it."""
-    if not is_remote(url) or not url[5:].split("/", 1)[0]:
+    rest = url[len(OBJECT_STORE_SCHEME):] if is_remote(url) else ""
+    if not rest.split("/", 1)[0]:
         raise ValueError(f"an object-store location must look like s3://bucket/prefix, got {url!r}")
-    bucket, _, prefix = url[5:].partition("/")
+    bucket, _, prefix = rest.partition("/")
     return bucket, prefix.strip("/")
 
 

@@ -24,6 +24,7 @@ from pksampler.datasets import (
     class_disjoint_split,
 )
 from pksampler.datasets.base import LabelledDataset
+from pksampler.locations import is_remote
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
 
 from pksampler.train.solver.build import build_optimizer, build_schedule
@@ -96,14 +97,14 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
     from pksampler.datasets import ShardedDataset
 
-    root = data.root if data.root and data.root.startswith("s3://") else _root(data)  # an object store, or a folder
+    root = data.root if is_remote(data.root) else _root(data)  # an object store, or a folder
     return ShardedDataset(root, seed=seed, **_decoding(data))
 
 
 def _root(data: DataConfig) -> Path:
     if not data.root:
         raise ConfigError(f"data.root: required for data.name={data.name!r} (or set DATASETS_PATH/DATASETS)")
-    if data.root.startswith("s3://"):
+    if is_remote(data.root):
         raise ConfigError(f"data.root: {data.root!r} is an object store, which only data.name: shards reads "
                           "(pack the images, then upload: docs/object-store.md)")
     return Path(data.root)

@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from pksampler.datasets import ImageLoadError
 from pksampler.datasets.base import LabelledDataset
+from pksampler.locations import is_remote
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
 from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, make_out_folder, read_record,
@@ -258,7 +259,7 @@ def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: E
                           f"above), more than {options.max_bad_fraction:.2%}: fix the data or raise the limit")
     manifest = {
         "model": model.describe(),
-        "source": {"location": data if data.startswith("s3://") else str(Path(data).resolve()),
+        "source": {"location": data if is_remote(data) else str(Path(data).resolve()),
                    "kind": source_kind(data), "images": plan.total, "digest": plan.source},
         "plan": {"total": plan.total, "part_size": plan.part_size, "parts": plan.num_parts},
         "dim": int(records[0]["dim"]) if records else model.embedding_dim,

@@ -18,6 +18,7 @@ import numpy as np
 
 from pksampler.datasets import ImageFolderDataset, ListFileDataset, ShardedDataset
 from pksampler.datasets.base import LabelledDataset
+from pksampler.locations import is_remote
 
 from pksampler.train.errors import ConfigError
 
@@ -29,7 +30,7 @@ SOURCE_KINDS = ("folder", "list", "shards")
 
 def source_kind(location: str) -> str:
     """``folder``, ``list`` or ``shards`` for ``location``; a ConfigError naming it when it is none of them."""
-    if location.startswith("s3://"):
+    if is_remote(location):
         return "shards"
     path = Path(location)
     if path.is_file():

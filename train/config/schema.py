@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from pksampler.locations import is_remote
 from pksampler.train.config import choices, rules
 from pksampler.train.errors import ConfigError
 
@@ -301,7 +302,7 @@ def validate(config: Any, prefix: str = "") -> None:
 def _validate_combinations(config: RunConfig) -> None:
     """Rules that relate two keys."""
     sampler, loss = config.sampler, config.loss
-    if config.data.root and not config.data.root.startswith("s3://"):
+    if config.data.root and not is_remote(config.data.root):
         root, workspace = Path(config.data.root).resolve(), Path(config.workspace).resolve()
         if workspace == root or root in workspace.parents:
             raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "
