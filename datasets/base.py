@@ -73,10 +73,24 @@ class LabelledDataset(Dataset):
 
     Call :meth:`set_epoch` each epoch, as for the sampler; with
     ``persistent_workers=True`` the workers keep the epoch they started with.
+
+    Capabilities some datasets have and the trainer uses, declared here with
+    defaults that do nothing, so callers call them instead of probing for them:
+    :attr:`store` (the object store read from), :meth:`prefetch` (read a
+    batch's bytes ahead), :attr:`shard_ids` (for ``locality="shard"``),
+    :meth:`verify` and :attr:`verifiable` (digests recorded at packing),
+    :attr:`worker_start_method` (how DataLoader workers must start) and
+    :meth:`augmentation_key`. :class:`~pksampler.datasets.ShardedDataset`
+    overrides them; :class:`LabelledSubset` forwards them to its parent.
     """
 
     labels: np.ndarray
     classes: list[str]
+    #: the object store samples are read from (an :class:`~pksampler.datasets.objectstore.ObjectStore`); None
+    #: for local data
+    store: Any = None
+    #: whether :meth:`verify` checks anything (digests recorded when the data was packed)
+    verifiable: bool = False
 
     def __init__(self, transform: Callable | None = None, *, seed: int = 0, on_bad: str = "replace") -> None:
         self.transform = transform
@@ -178,6 +192,29 @@ class LabelledDataset(Dataset):
     def num_classes(self) -> int:
         return len(self.classes)
 
+    def prefetch(self, indices: Sequence[int]) -> None:
+        """Read the bytes of ``indices`` ahead (a batch, before its samples are loaded); local data: nothing to do."""
+
+    @property
+    def shard_ids(self) -> np.ndarray | None:
+        """The shard of every sample, for ``locality="shard"`` samplers; None for data not stored in shards."""
+        return None
+
+    def verify(self, *, index: bool = True, shards: bool = True) -> None:
+        """Check the data against the digests recorded when it was packed; nothing to check here (see
+        :attr:`verifiable`). Raises ValueError naming the first damaged file where there is something to check."""
+
+    @property
+    def worker_start_method(self) -> str | None:
+        """How DataLoader workers over this dataset must start: ``"spawn"`` for an object store (its client cannot
+        run in a forked child), else None (the platform's default, a fork on Linux)."""
+        return "spawn" if self.store is not None else None
+
+    def augmentation_key(self, index: int) -> int:
+        """The key that draws sample ``index``'s augmentation and bad-image replacement: the index itself here, the
+        parent's index in a :class:`LabelledSubset` (a sample is augmented alike whichever subset reaches it)."""
+        return int(index)
+
 
 class ImageFileDataset(LabelledDataset):
     """A labelled dataset of image files: ``paths[i]`` decoded by Pillow is sample i.
@@ -239,9 +276,29 @@ class LabelledSubset(LabelledDataset):
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Let the parent read a batch's bytes ahead (an object store coalesces them into few requests)."""
-        prefetch = getattr(self.dataset, "prefetch", None)
-        if prefetch is not None:
-            prefetch(self.indices[np.asarray(indices, dtype=np.int64) % len(self)].tolist())
+        self.dataset.prefetch(self.indices[np.asarray(indices, dtype=np.int64) % len(self)].tolist())
+
+    @property
+    def store(self) -> Any:
+        """The parent's object store (None for local data)."""
+        return self.dataset.store
+
+    @property
+    def verifiable(self) -> bool:
+        return self.dataset.verifiable
+
+    def verify(self, *, index: bool = True, shards: bool = True) -> None:
+        """The parent's check (it covers the subset's samples and the others)."""
+        self.dataset.verify(index=index, shards=shards)
+
+    @property
+    def shard_ids(self) -> np.ndarray | None:
+        """The parent's shard ids of the subset's samples, or None."""
+        parent = self.dataset.shard_ids
+        return None if parent is None else parent[self.indices]
+
+    def augmentation_key(self, index: int) -> int:
+        return int(self.indices[index])
 
     def describe(self, index: int) -> str:
         return self.dataset.describe(int(self.indices[index]))

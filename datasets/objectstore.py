@@ -48,7 +48,7 @@ from torch.utils.data import get_worker_info
 from pksampler.files import atomic_write_bytes
 from pksampler.locations import OBJECT_STORE_SCHEME, is_remote
 
-__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "needs_spawn", "split_url"]
+__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "split_url"]
 
 #: S3 standard, per GET request (us-east-1): $0.0004 per 1,000
 GET_PRICE_USD = 0.0004 / 1000
@@ -84,15 +84,6 @@ def cost_usd(gets: int) -> float:
 #: the process whose obstore client started the Rust runtime: a fork of it cannot use obstore (the runtime's
 #: threads are not copied and the child would wait forever), so a forked child is told so instead
 _RUNTIME_PROCESS: int | None = None
-
-
-def needs_spawn(dataset: Any) -> bool:
-    """Whether DataLoader workers over ``dataset`` (or the dataset it wraps) must be spawned, not forked."""
-    while dataset is not None:
-        if getattr(dataset, "store", None) is not None:
-            return True
-        dataset = getattr(dataset, "dataset", None)
-    return False
 
 
 def _counter_row() -> int:

@@ -200,6 +200,8 @@ class ShardedDataset(LabelledDataset):
         sampler = DistributedBalancedBatchSampler(dataset.labels, 32, 4, num_replicas=16, rank=r)
     """
 
+    verifiable = True  # the manifest holds the SHA-256 of the index and labels (and of each shard)
+
     def __init__(self, root: str | os.PathLike, transform: Callable | None = None, *, seed: int = 0,
                  on_bad: str = "replace", decode_size: int | None = None, max_pixels: int = MAX_IMAGE_PIXELS,
                  verify_index: bool = False, max_open_shards: int = 64, block_cache: int | str | None = None,

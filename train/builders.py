@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -153,12 +153,10 @@ def per_rank_share(total: int, world_size: int, key: str, rank: int = 0) -> int:
     return rank_share(total, world_size, rank)[1]
 
 
-def shard_ids_of(dataset: Any) -> np.ndarray | None:
-    """Per-sample shard ids of a sharded dataset (or a subset of one); None for other datasets."""
-    if isinstance(dataset, LabelledSubset):
-        parent = shard_ids_of(dataset.dataset)
-        return None if parent is None else parent[dataset.indices]
-    return getattr(dataset, "shard_ids", None)
+def shard_ids_of(dataset: LabelledDataset) -> np.ndarray | None:
+    """Per-sample shard ids of a sharded dataset (or a subset of one), for ``sampler.args.locality: shard``; None
+    for other datasets (:attr:`~pksampler.datasets.base.LabelledDataset.shard_ids`)."""
+    return dataset.shard_ids
 
 
 def _balanced(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int,

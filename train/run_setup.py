@@ -291,9 +291,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     if getattr(parts.sampler, "needs_class_neighbours", False):
         hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
                                       parts.sampler, backend, epochs=parts.epochs))
-    if hasattr(data.train, "bad_image_counts"):
-        hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, is_main=is_main))
-    if callable(getattr(data.dataset, "verify", None)):  # shard sets: the full index digest, once per host
+    hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, is_main=is_main))
+    if data.dataset.verifiable:  # shard sets: the full index digest, once per host
         hooks.append(IndexDigestHook(data.dataset, backend))
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
@@ -303,9 +302,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
                        every=config.train.eval_every, epochs=parts.epochs, is_main=is_main,
                        gallery=lambda: evaluator.last_gallery, share=_from_main_rank(parts.backend)),
     ]
-    store = getattr(data.dataset, "store", None)
-    if store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
-        hooks.append(ObjectStoreHook(store, backend, is_main=is_main))
+    if data.dataset.store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
+        hooks.append(ObjectStoreHook(data.dataset.store, backend, is_main=is_main))
     hooks += main_only([lambda: FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs)])
     if not elastic:  # elastic: lines are written at commits (CommittedMetricsHook)
         hooks += main_only([lambda: MetricsLogHook(log)])

@@ -106,15 +106,18 @@ class _FlagUnreadable(Dataset):
 
     def __init__(self, test_set: LabelledSubset, reported: set[int]) -> None:
         self.reported = reported
-        parent = getattr(test_set, "dataset", test_set)
-        indices = getattr(test_set, "indices", np.arange(len(test_set)))
-        self.items = LabelledSubset(parent, indices, transform=test_set.transform, on_bad="raise")
+        self.items = LabelledSubset(test_set.dataset, test_set.indices, transform=test_set.transform, on_bad="raise")
         self.items.set_epoch(test_set.epoch)
         self.labels = test_set.labels
         self.unreadable = torch.zeros(len(test_set), dtype=torch.bool).share_memory_()
 
     def __len__(self) -> int:
         return len(self.items)
+
+    @property
+    def worker_start_method(self) -> str | None:
+        """The held-out data's (DataLoader workers over an object store are spawned)."""
+        return self.items.worker_start_method
 
     def __getitem__(self, index: int):
         try:

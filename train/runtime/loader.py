@@ -21,16 +21,16 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from pksampler.datasets.objectstore import needs_spawn
-
+from pksampler.datasets.base import LabelledDataset
 from pksampler.train.runtime.device import DeviceSetup
 
 __all__ = ["EpochBatches", "KeyedSamples", "TrainLoader", "collate_channels_last", "to_model_input"]
 
 
-def worker_context(dataset: Any, workers: int) -> str | None:
-    """``"spawn"`` for workers over an object store (its client cannot run in a fork), else the default (fork)."""
-    return "spawn" if workers > 0 and needs_spawn(dataset) else None
+def worker_context(dataset: LabelledDataset, workers: int) -> str | None:
+    """How ``workers`` DataLoader workers over ``dataset`` start: its :attr:`~LabelledDataset.worker_start_method`
+    (``"spawn"`` over an object store, whose client cannot run in a fork), or the default (None) without workers."""
+    return dataset.worker_start_method if workers > 0 else None
 
 
 class KeyedSamples(Dataset):
@@ -43,29 +43,24 @@ class KeyedSamples(Dataset):
     bad-image replacement; the shared bad-image counters are left alone.
     """
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: LabelledDataset) -> None:
         self.dataset = dataset
-        indices = getattr(dataset, "indices", None)
-        self._keys = None if indices is None else np.asarray(indices, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def key(self, index: int) -> int:
         """The augmentation key of sample ``index``."""
-        index = int(index) % len(self.dataset)
-        return int(self._keys[index]) if self._keys is not None else index
+        return self.dataset.augmentation_key(int(index) % len(self.dataset))
 
     def __getitems__(self, items: list[tuple[int, int]]) -> list[tuple[Any, int, int]]:
         """A batch: the dataset reads its bytes ahead when it can (one request per run of a shard), then each item."""
-        prefetch = getattr(self.dataset, "prefetch", None)
-        if prefetch is not None:
-            prefetch([index for _, index in items])
+        self.dataset.prefetch([index for _, index in items])
         return [self[item] for item in items]
 
     def __getitem__(self, item: tuple[int, int]) -> tuple[Any, int, int]:
         epoch, index = item
-        if getattr(self.dataset, "epoch", epoch) != epoch:
+        if self.dataset.epoch != epoch:
             self.dataset.epoch = epoch
         image, label = self.dataset[index]
         return image, label, self.key(index)
@@ -124,7 +119,7 @@ class TrainLoader:
     Call :meth:`close` when done, to stop the workers.
     """
 
-    def __init__(self, dataset: Any, batch_sampler: Any, augment: Callable[..., torch.Tensor], *, workers: int,
+    def __init__(self, dataset: LabelledDataset, batch_sampler: Any, augment: Callable[..., torch.Tensor], *, workers: int,
                  setup: DeviceSetup, prefetch_factor: int | None = None) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
             raise ValueError(f"TrainLoader(workers=) must be an int >= 0, got {workers!r}")
