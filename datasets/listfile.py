@@ -43,6 +43,10 @@ class ListFileDataset(ImageFileDataset):
     The file must be UTF-8 (a leading byte-order mark is ignored); other bytes
     are an error naming the file and line. ``skip_bad``, ``on_bad``,
     ``decode_size`` and ``max_pixels`` are as in ImageFolderDataset.
+
+    Args:
+        list_file: the text file of ``path,label`` rows (or a Stanford Online Products list).
+        root: the folder relative paths resolve under (default: the list file's folder).
     """
 
     def __init__(self, list_file: str | os.PathLike, root: str | os.PathLike | None = None,

@@ -65,6 +65,8 @@ for _kind, _module, _attribute in (
 ):
     _choices.register(_kind, _names(_module, _attribute))
 _choices.register_check("augment", _check_augment)
+_choices.register_arguments("data", _names("pksampler.train.builders", "DATA_ARGS"))
+_choices.register_arguments("sampler", _names("pksampler.train.builders", "SAMPLER_ARGS"))
 
 
 def __getattr__(name: str) -> Any:

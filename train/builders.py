@@ -19,13 +19,20 @@ from pksampler.datasets import (
     ImageFolderDataset,
     LabelledSubset,
     ListFileDataset,
+    ShardedDataset,
     SyntheticProducts,
     ToUint8,
     class_disjoint_split,
 )
 from pksampler.datasets.base import LabelledDataset
 from pksampler.locations import is_remote
-from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler, rank_share
+from pksampler.samplers import (
+    DistributedBalancedBatchSampler,
+    DistributedBalancedSampler,
+    DistributedTripletBatchSampler,
+    DistributedTripletSampler,
+    rank_share,
+)
 
 from pksampler.train.solver.build import build_optimizer, build_schedule
 from pksampler.train.errors import ConfigError
@@ -34,8 +41,10 @@ if TYPE_CHECKING:  # annotations only: the schema reads this module's registries
     from pksampler.train.config.schema import DataConfig, RunConfig, SamplerConfig
 
 __all__ = [
+    "DATA_ARGS",
     "DATA_SOURCES",
     "SAMPLERS",
+    "SAMPLER_ARGS",
     "DataParts",
     "build_data",
     "build_optimizer",
@@ -95,8 +104,6 @@ def _list(data: DataConfig, seed: int) -> LabelledDataset:
 
 
 def _shards(data: DataConfig, seed: int) -> LabelledDataset:
-    from pksampler.datasets import ShardedDataset
-
     root = data.root if is_remote(data.root) else _root(data)  # an object store, or a folder
     return ShardedDataset(root, seed=seed, **_decoding(data))
 
@@ -116,6 +123,16 @@ DATA_SOURCES: dict[str, Callable[[DataConfig, int], LabelledDataset]] = {
     "folder": _folder,
     "list": _list,
     "shards": _shards,
+}
+
+
+#: ``data.name`` -> (the class whose keyword arguments ``data.args`` are, the arguments its builder sets itself):
+#: what the configuration reference lists as ``data.args.<key>``
+DATA_ARGS = {
+    "synthetic": (SyntheticProducts, ("transform", "augment_seed")),
+    "folder": (ImageFolderDataset, ("root", "transform", "seed")),
+    "list": (ListFileDataset, ("root", "transform", "seed")),
+    "shards": (ShardedDataset, ("root", "transform", "seed")),
 }
 
 
@@ -195,6 +212,14 @@ def _triplet(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: 
 
 #: ``sampler.name`` -> builder(sampler config, labels, world size, rank, seed, shard ids)
 SAMPLERS = {"balanced": _balanced, "triplet": _triplet}
+_SET_BY_BUILDER = ("labels", "num_replicas", "rank", "seed")
+#: ``sampler.name`` -> (the sampler whose keyword arguments ``sampler.args`` are, those its builder sets): what the
+#: configuration reference lists as ``sampler.args.<key>`` (the batch forms take the flat forms' arguments)
+SAMPLER_ARGS = {
+    "balanced": (DistributedBalancedSampler, _SET_BY_BUILDER + ("classes_per_batch", "classes_per_step",
+                                                                "samples_per_class", "shard_ids")),
+    "triplet": (DistributedTripletSampler, _SET_BY_BUILDER + ("triplets_per_batch", "triplets_per_step")),
+}
 
 
 def build_sampler(sampler: SamplerConfig, labels: np.ndarray, world_size: int, rank: int, seed: int, *,

@@ -7,6 +7,10 @@ Everything comes from :mod:`.schema`: the sections and their docstrings, each
 field's default, its ``resumable`` and ``local`` flags, the comments written
 above or beside the field in the source, and the rule's own wording, read by
 asking the rule about a value no rule accepts (the error names what it wants).
+The keys of a free-form ``args`` block (``data.args``, ``sampler.args``) come
+from the implementations the application registers for it
+(:func:`.choices.register_arguments`): each one's keyword arguments, their
+defaults and their lines in its docstring's ``Args:`` section.
 """
 
 from __future__ import annotations
@@ -17,10 +21,10 @@ import re
 import textwrap
 from typing import Any
 
-from pksampler.train.config import schema
+from pksampler.train.config import choices, schema
 from pksampler.train.errors import ConfigError
 
-__all__ = ["field_comments", "render", "rule_text"]
+__all__ = ["argument_docs", "argument_rows", "field_comments", "render", "rule_text"]
 
 _UNACCEPTABLE = object()  # no rule accepts it: the error message says what the rule wants
 
@@ -56,6 +60,64 @@ def field_comments(section: type) -> dict[str, str]:
     return comments
 
 
+def argument_docs(doc: str) -> dict[str, str]:
+    """Argument name -> its text in the ``Args:`` section of a (dedented) Google-style docstring.
+
+    An entry is ``name: text`` at the section's indentation, continued by more
+    deeply indented lines; ``a, b: text`` documents both. A blank line or a
+    line indented less than the entries ends the section.
+    """
+    lines = doc.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.strip() == "Args:"), None)
+    found: dict[str, str] = {}
+    if start is None:
+        return found
+    indent, names = None, []
+    for line in lines[start + 1:]:
+        depth = len(line) - len(line.lstrip())
+        indent = depth if indent is None else indent
+        entry = re.match(r"([\w, ]+): (.*)", line.strip())
+        if not line.strip() or depth < indent:
+            break
+        if depth == indent and entry:
+            names = [name.strip() for name in entry.group(1).split(",")]
+            found.update({name: entry.group(2) for name in names})
+        elif depth > indent and names:
+            found.update({name: f"{found[name]} {line.strip()}" for name in names})
+        else:
+            break
+    return found
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    if isinstance(value, dict):
+        value = dict(value)
+    return "`null`" if value is None else f"`{value!r}`".replace("True", "true").replace("False", "false")
+
+
+def argument_rows(kind: str) -> list[tuple[str, str, str]]:
+    """``(key, default, notes)`` for every key of ``<kind>.args``, over the names registered for ``kind``.
+
+    A key that several names take is one row naming them (``folder, list, shards: ...``); its default is shown
+    when they agree.
+    """
+    keys: dict[str, dict[str, Any]] = {}
+    for name, (target, set_by_builder) in choices.arguments(kind).items():
+        docs = argument_docs(inspect.getdoc(target) or "")
+        for parameter in inspect.signature(target).parameters.values():
+            if parameter.name in set(set_by_builder) or parameter.kind in (parameter.VAR_POSITIONAL,
+                                                                           parameter.VAR_KEYWORD):
+                continue
+            row = keys.setdefault(parameter.name, {"names": [], "defaults": set(), "text": ""})
+            row["names"].append(name)
+            row["defaults"].add("" if parameter.default is parameter.empty else _value(parameter.default))
+            row["text"] = row["text"] or docs.get(parameter.name, "")
+    return [(f"{kind}.args.{key}", row["defaults"].pop() if len(row["defaults"]) == 1 else "",
+             f"{', '.join(row['names'])}: {row['text']}".rstrip(": ")) for key, row in keys.items()]
+
+
 def _default(spec: dataclasses.Field) -> str:
     if spec.default is not dataclasses.MISSING:
         value = spec.default
@@ -65,11 +127,7 @@ def _default(spec: dataclasses.Field) -> str:
         return ""
     if dataclasses.is_dataclass(value):
         return ""
-    if isinstance(value, tuple):
-        value = list(value)
-    if isinstance(value, dict):
-        value = dict(value)
-    return "`null`" if value is None else f"`{value!r}`".replace("True", "true").replace("False", "false")
+    return _value(value)
 
 
 def _cell(text: str) -> str:
@@ -95,6 +153,9 @@ def _section(name: str, section: type) -> list[str]:
                                  "yes" if spec.metadata.get("resumable") else "",
                                  "yes" if spec.metadata.get("local") else "",
                                  _cell(comments.get(spec.name, "")), ""]).strip())
+        if spec.name == "args" and name:
+            lines += [" | ".join(["", f"`{key}`", _cell(default), "", "", "", _cell(text), ""]).strip()
+                      for key, default, text in argument_rows(name)]
     return lines + [""]
 
 

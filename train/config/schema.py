@@ -68,7 +68,9 @@ class DataConfig:
     ``name``: ``synthetic`` (built-in SyntheticProducts, rendered in memory;
     ``args`` are its arguments), ``folder`` (ImageFolderDataset under
     ``root``), ``list`` (ListFileDataset; ``args.list_file`` relative to
-    ``root``) or ``shards`` (ShardedDataset: packed tar shards under ``root``).
+    ``root``) or ``shards`` (ShardedDataset: packed tar shards under ``root``,
+    or ``s3://bucket/prefix``). The ``data.args.*`` rows list each source's
+    arguments; ``decode_size`` defaults to ``image_size`` here.
     """
 
     name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
@@ -90,9 +92,10 @@ class SamplerConfig:
 
     ``balanced``: ``classes_per_step`` (G, over all ranks) × ``samples_per_class``
     (K); ``args`` are the other keyword arguments of
-    DistributedBalancedBatchSampler (``small_classes``, ``class_weighting``).
-    ``triplet``: ``triplets_per_step`` (over all ranks); ``args``: ``negatives``,
-    ``hard_classes``, ``hard_fraction``.
+    DistributedBalancedBatchSampler (``small_classes``, ``class_weighting``,
+    ``locality``, ``window``). ``triplet``: ``triplets_per_step`` (over all
+    ranks); ``args``: ``negatives``, ``hard_classes``, ``hard_fraction``. The
+    ``sampler.args.*`` rows list them with their defaults.
     """
 
     name: str = _rule("balanced", rules.choice(lambda: _registry("sampler")))
