@@ -6,6 +6,8 @@
 #
 #   scripts/test.sh                          # Python 3.11, .venv/
 #   PYTHON=python3.12 scripts/test.sh -x     # Python 3.12, .venv-3.12/, pytest -x
+#   scripts/test.sh --fast                   # the edit loop's tier: every test that starts no launcher
+#                                            # (horovodrun, torchrun, accelerate, Lightning) and no S3 server
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$("$ROOT/scripts/setup.sh" --print-venv)" || exit 1
@@ -13,6 +15,10 @@ VENV="$("$ROOT/scripts/setup.sh" --print-venv)" || exit 1
 cd "$ROOT"
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
 echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.split()[0])') in $VENV" >&2
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    set -- -m "not launcher" "$@"
+fi
 "$VENV/bin/python" -m pytest "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then

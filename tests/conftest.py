@@ -25,6 +25,17 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark ``launcher`` every test that starts a launcher or a server, so ``-m "not launcher"`` (``make
+    test-fast``) is the edit loop's tier: the ``horovod`` tests (real ranks under horovodrun or torchrun) and
+    the tests on the S3 server (the ``seaweed`` fixture, directly or through another fixture). The frameworks'
+    launches carry the mark in their module."""
+    for item in items:
+        if item.get_closest_marker("horovod") or "seaweed" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.launcher)
+
+
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """A real SeaweedFS S3 server on 127.0.0.1 for the session (tests/objectstore_server.py)."""

@@ -16,10 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from launch import free_port, kill_agent
 
 from framework_runs import STEPS, WORLD, check_epoch, reference_plan  # first: torchvision importable here
 
+pytestmark = pytest.mark.launcher  # two processes under each framework's launcher
 HERE = Path(__file__).resolve().parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{HERE}:{HERE.parent}"}
 for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE"):
