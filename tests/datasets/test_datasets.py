@@ -23,6 +23,7 @@ from pksampler.datasets import (
     eval_preset,
     train_preset,
 )
+from pksampler.datasets import synthetic as synthetic_module
 
 
 def write_image(path: Path, colour: tuple[int, int, int], fmt: str, size: int = 20) -> np.ndarray:
@@ -223,3 +224,26 @@ def test_split_uses_dense_class_codes_as_they_are():
         reference = np.unique(labels, return_inverse=True)
         np.testing.assert_array_equal(classes, reference[0])
         np.testing.assert_array_equal(codes, reference[1])
+
+
+def test_synthetic_writes_through_pksampler_files(tmp_path, monkeypatch):
+    calls = []
+    original = synthetic_module.atomic_writer
+
+    def spy(path):
+        calls.append(Path(path))
+        return original(path)
+
+    monkeypatch.setattr(synthetic_module, "atomic_writer", spy)
+    SyntheticProducts(2, 2, image_size=16, root=tmp_path / "s")
+    assert len(calls) == 4 and all(p.suffix == ".png" and p.is_file() for p in calls)
+    assert not list((tmp_path / "s").rglob("*.tmp"))
+    assert not hasattr(SyntheticProducts(2, 2), "num_products")
+
+
+def test_synthetic_renders_in_memory_by_default(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    dataset = SyntheticProducts(3, 2, image_size=32)
+    assert dataset.root is None
+    assert np.asarray(dataset[0][0]).shape == (32, 32, 3)
+    assert list(tmp_path.iterdir()) == []

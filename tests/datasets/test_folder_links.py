@@ -1,14 +1,22 @@
-"""Folder links never move images between classes: class folders are registered before the walk."""
+"""Folder links never move images between classes: class folders are registered before the walk; symlink loops are
+skipped with their paths."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from pksampler.datasets import ImageFolderDataset
+
+
+def write_png(path: Path, value: int = 120, size: int = 8) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((size, size, 3), value, dtype=np.uint8)).save(path, format="PNG")
 
 
 def write_pngs(folder: Path, count: int) -> None:
@@ -68,3 +76,16 @@ def test_a_link_inside_a_class_or_to_a_folder_outside_the_root_still_counts(tmp_
     (root / "cats" / "external").symlink_to(tmp_path / "elsewhere")
     dataset, _ = scan(root)
     assert counts(dataset) == {"cats": 4}
+
+
+def test_symlink_loops_in_class_folders_are_skipped_with_the_path(tmp_path):
+    root = tmp_path / "data"
+    write_png(root / "a" / "0.png")
+    write_png(root / "b" / "0.png")
+    os.symlink("loop.png", root / "a" / "loop.png")  # a link to itself: ELOOP
+    os.symlink("..", root / "b" / "up")  # a folder cycle through the parent
+    with pytest.warns(UserWarning, match=r"symlink loop.*loop\.png") as caught:
+        dataset = ImageFolderDataset(root)
+    message = str(caught[0].message)
+    assert "up" in message
+    assert sorted(Path(p).relative_to(root).as_posix() for p in dataset.paths) == ["a/0.png", "b/0.png"]

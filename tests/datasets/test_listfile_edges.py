@@ -1,4 +1,5 @@
-"""List-file edge cases: quoted newlines, NUL, huge fields, and integer-looking labels that differ."""
+"""List-file edge cases: quoted newlines, NUL, huge fields, integer-looking labels that differ, and encodings (a
+UTF-8 byte-order mark, bytes that are not UTF-8)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import pytest
 from PIL import Image
 
 from pksampler.datasets import ListFileDataset
+
+
+def write_png(path: Path, value: int = 120, size: int = 8) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((size, size, 3), value, dtype=np.uint8)).save(path, format="PNG")
 
 
 @pytest.fixture
@@ -45,3 +51,20 @@ def test_a_field_over_the_csv_limit_is_one_error_naming_file_and_line(images):
     (images / "list.csv").write_text("a.png,x\n\"" + "d" * 200_000 + "\",y\n")
     with pytest.raises(ValueError, match=r"list.csv:2: not a readable CSV/TSV row \(field larger than field limit"):
         ListFileDataset(images / "list.csv")
+
+
+def test_list_file_utf8_bom_header_is_skipped(tmp_path):
+    write_png(tmp_path / "a.png")
+    listing = tmp_path / "list.csv"
+    listing.write_bytes("\ufeffpath,label\na.png,cat\n".encode("utf-8"))
+    dataset = ListFileDataset(listing)
+    assert dataset.classes == ["cat"] and len(dataset) == 1
+
+
+def test_list_file_not_utf8_names_file_and_line(tmp_path):
+    write_png(tmp_path / "a.png")
+    listing = tmp_path / "latin1.csv"
+    listing.write_bytes("a.png,1\na.png,caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.csv:2: list files must be UTF-8") as caught:
+        ListFileDataset(listing)
+    assert not isinstance(caught.value, UnicodeDecodeError)

@@ -267,3 +267,30 @@ def test_model_norm_auto_is_the_backbones_own(tmp_path, backbone, pretrained, ex
     overrides = [f"model.backbone={backbone}", *extra] + ([f"model.pretrained={tmp_path / 'w.pth'}"] if pretrained else [])
     resolved = resolve_norm(load_config(None, overrides, environ={}).model)
     assert (resolved.norm, resolved.freeze_norm) == (norm, frozen)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda s: s.update({7: torch.zeros(1)}), r"tensor names must be strings, found 7"),
+    (lambda s: s.update({"conv1.weight": torch.empty(64, 3, 7, 7, device="meta")}),
+     r"tensors must be dense and hold values, found conv1\.weight \(meta\)"),
+    (lambda s: s.update({"conv1.weight": torch.zeros(64, 3, 7, 7).to_sparse()}),
+     r"tensors must be dense and hold values, found conv1\.weight \(torch\.sparse_coo\)"),
+])
+def test_pretrained_files_with_odd_names_or_tensors_are_refused_in_one_line(tmp_path, change, message):
+    backbone = resnet("resnet18")
+    state = dict(backbone.state_dict())
+    change(state)
+    path = tmp_path / "weights.pth"
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match=rf"model\.pretrained: {path}: {message}"):
+        load_backbone_weights(backbone, path)
+
+
+def test_a_vit_pos_embed_holding_only_the_class_token_is_named_as_mis_shaped(tmp_path):
+    backbone = vit("vit_small_patch16", image_size=32)
+    state = dict(backbone.state_dict())
+    state["pos_embed"] = state["pos_embed"][:, :1].clone()
+    path = tmp_path / "weights.pth"
+    torch.save(state, path)
+    with pytest.raises(ConfigError, match=r"1 of another shape: pos_embed \(file \(1, 1, 384\)"):
+        load_backbone_weights(backbone, path)

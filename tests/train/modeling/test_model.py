@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pksampler.train.config.load import ConfigError, ModelConfig, load_config
-from pksampler.train.modeling.model import GeM, EmbeddingNet, build_model
+from pksampler.train.modeling.model import GeM, EmbeddingNet, build_model, norm_factory
 
 POOLINGS = ("avg", "gem", "avgmax")
 NECKS = ("none", "batch", "layer")
@@ -120,7 +120,7 @@ def test_config_fields_reach_the_model(tmp_path):
 def test_folder_config_loads_and_builds():
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     config = load_config(root / "configs" / "folder.yaml", ["data.root=/nonexistent"], environ={})
     assert config.data.name == "folder" and dict(config.data.args) == {}
     model = build_model(config.model)
@@ -136,3 +136,12 @@ def test_batch_neck_takes_the_sync_class_and_torchvision_refuses_other_poolings(
     assert type(build_model(config).neck) is torch.nn.BatchNorm1d
     with pytest.raises(ValueError, match="model.pooling='gem' applies to our own backbones only"):
         build_model(dataclasses.replace(config, backbone="torchvision:resnet18", pooling="gem"))
+
+
+def test_model_outputs_unit_embeddings():
+    model = EmbeddingNet(width=8, depth=(1, 1), embedding_dim=12)
+    out = model(torch.randn(5, 3, 24, 24))
+    assert out.shape == (5, 12)
+    assert torch.allclose(out.norm(dim=1), torch.ones(5), atol=1e-5)
+    with pytest.raises(ValueError, match="model.norm must be one of"):
+        norm_factory("layer")

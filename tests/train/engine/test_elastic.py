@@ -19,6 +19,7 @@ from pksampler.train.builders import build_sampler
 from pksampler.train.engine.events import EventStorage
 from pksampler.train.config.schema import SamplerConfig
 from pksampler.train.engine.trainer import TrainState
+from pksampler.train.runtime.distributed import Backend
 
 LABELS = np.repeat(np.arange(40), 6)
 CONFIG = SamplerConfig(classes_per_step=8, samples_per_class=2)
@@ -206,3 +207,14 @@ def test_the_saved_position_is_the_loops_not_the_samplers_iterator():
     rebuilt = _sampler(4, 3)
     rebuilt.load_state_dict(loop_position(loop))
     assert (rebuilt.epoch, rebuilt.state_dict(0)["step"]) == (2, 0)
+
+
+def test_horovod_elastic_in_the_environment_does_not_make_a_torch_run_elastic(monkeypatch):
+    from pksampler.train.run_setup import _horovod_elastic
+
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    backend = Backend("cpu", "fp32")
+    backend.name = "torch"
+    assert not _horovod_elastic(backend)
+    backend.name = "horovod"
+    assert _horovod_elastic(backend)

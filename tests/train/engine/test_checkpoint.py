@@ -89,3 +89,16 @@ def test_close_during_another_error_keeps_that_error(tmp_path, monkeypatch):
             raise KeyError("the loop's own error")
         finally:
             writer.close()
+
+
+@pytest.mark.parametrize("key, value", [("epoch", "3"), ("global_step", 2.5), ("consumed", -1), ("epoch", True)])
+def test_a_checkpoint_whose_state_counters_are_not_whole_numbers_is_refused_naming_the_key(tmp_path, key, value):
+    from pksampler.train.engine.checkpoint import CheckpointError, check_training_checkpoint
+
+    saved = {"model": {"weight": torch.zeros(2)}, "optimizer": {}, "scheduler": {}, "loss": {}, "sampler": {},
+             "config": {}, "state": {"epoch": 1, "global_step": 4, "consumed": 0, key: value}}
+    path = tmp_path / "last.pt"
+    with pytest.raises(CheckpointError, match=rf"{path}: state\.{key} must be a whole number >= 0, it holds"):
+        check_training_checkpoint(saved, path)
+    saved["state"][key] = 1
+    check_training_checkpoint(saved, path)  # the same file with a whole number loads

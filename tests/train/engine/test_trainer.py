@@ -22,7 +22,7 @@ from pksampler.train.run_setup import train
 from pksampler.train.engine.trainer import TrainingDiverged
 from pksampler.train.runtime.workspace import WorkspaceLock
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TINY = [
     "seed=3",
     "data.args={num_classes: 24, images_per_class: 6, image_size: 32}",
@@ -293,3 +293,40 @@ def test_a_crash_in_evaluation_keeps_the_epoch_and_the_resumed_curves_show_the_w
     result = train(tiny(tmp_path, "train.epochs=3", "train.checkpoint_every=0"), Backend(), extra_hooks=[seen])
     assert result.global_step == 3 * steps_per_epoch  # only the third epoch was trained again
     assert seen.steps == list(range(1, 3 * steps_per_epoch + 1)) and seen.evaluated == [1, 3]
+
+
+def _tiny(workspace, *extra: str):
+    return load_config(None, [
+        "data.args={num_classes: 12, images_per_class: 4, image_size: 24}", "data.image_size=16", "data.workers=0",
+        "sampler.classes_per_step=2", "sampler.samples_per_class=2", "model.width=8", "model.depth=[1]",
+        "train.tensorboard=false", "train.checkpoint_every=100", "train.epochs=1", f"workspace={workspace}", *extra],
+        environ={})
+
+
+def _step_lines(workspace) -> list[int]:
+    lines = (workspace / "metrics.jsonl").read_text().splitlines()
+    return [record["global_step"] for record in map(json.loads, lines) if record.get("type") == "step"]
+
+
+def test_a_restart_before_the_first_checkpoint_logs_each_step_once(tmp_path):
+    class Killed(HookBase):
+        def after_step(self):
+            if self.trainer.state.global_step == 3:
+                raise KeyboardInterrupt("killed before the first checkpoint")
+
+    with pytest.raises(KeyboardInterrupt):
+        train(_tiny(tmp_path / "run"), Backend(), extra_hooks=[Killed()])
+    assert _step_lines(tmp_path / "run") == [1, 2, 3]
+    assert not (tmp_path / "run" / "checkpoints" / "last.pt").exists()
+    train(_tiny(tmp_path / "run", "train.max_steps=4"), Backend())
+    assert _step_lines(tmp_path / "run") == [1, 2, 3, 4]
+
+
+def test_no_resume_in_a_used_workspace_leaves_nothing_of_the_old_run(tmp_path):
+    train(_tiny(tmp_path / "run", "train.eval_every=1"), Backend())
+    assert (tmp_path / "run" / "checkpoints" / "best.pt").is_file() and (tmp_path / "run" / "final_metrics.json").is_file()
+    old_steps = len(_step_lines(tmp_path / "run"))
+    train(_tiny(tmp_path / "run", "train.resume=false", "train.max_steps=2", "train.eval_every=100"), Backend())
+    assert _step_lines(tmp_path / "run") == [1, 2] and old_steps > 2
+    assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
+    assert not (tmp_path / "run" / "final_metrics.json").exists()

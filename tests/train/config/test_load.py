@@ -8,7 +8,7 @@ import pytest
 
 from pksampler.train.config.load import ConfigError, RunConfig, load_config
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "products.yaml", "triplet.yaml"])
@@ -164,3 +164,10 @@ def test_data_augment_sets_the_training_augmentation():
     config = load_config(None, ["data.augment={flip: 0, scale: [0.8, 1.0], rotation: 10}"], environ={})
     augment = build_data(config).augment
     assert (augment.flip, augment.scale, augment.rotation, augment.jitter) == (0.0, (0.8, 1.0), 10.0, 0.3)
+
+
+@pytest.mark.parametrize("value", ["1e300", "0.5", ".inf"])
+def test_collective_timeout_has_sane_bounds_named_in_the_error(value):
+    with pytest.raises(ConfigError, match=r"train\.collective_timeout: must be in \[1, 604800\]"):
+        load_config(None, [f"train.collective_timeout={value}"], environ={})
+    assert load_config(None, ["train.collective_timeout=604800"], environ={}).train.collective_timeout == 604800

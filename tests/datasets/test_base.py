@@ -1,6 +1,9 @@
-"""What the trainer asks a dataset is declared on LabelledDataset, with defaults that do nothing.
+"""LabelledDataset and LabelledSubset (datasets/base.py): the bad-image policy, subset indexing, and what the
+trainer asks a dataset, declared with defaults that do nothing.
 
-A local dataset answers "no object store, nothing to prefetch, no shards,
+Bad images during training are replaced by another member of the class, keyed
+by (seed, epoch, index), named once on stderr and counted across workers; with
+``on_bad="raise"`` they propagate. A local dataset answers "no object store, nothing to prefetch, no shards,
 nothing to verify, fork the workers"; a packed shard set answers with its own;
 a subset answers with its parent's (its own rows of them). The trainer calls
 these instead of probing with ``hasattr``/``getattr`` (checked on its source).
@@ -15,12 +18,19 @@ import numpy as np
 import pytest
 from launch import ROOT
 from PIL import Image
+from torch.utils.data import DataLoader
 
-from pksampler.datasets import ImageFolderDataset, LabelledSubset, ShardedDataset, SyntheticProducts
+from pksampler.datasets import ImageFolderDataset, ImageLoadError, LabelledSubset, ShardedDataset, SyntheticProducts
 from pksampler.datasets.pack import pack
 from pksampler.datasets.sharded import INDEX_FILE
 from pksampler.train.builders import shard_ids_of
 from pksampler.train.runtime.loader import KeyedSamples, worker_context
+
+
+def write_png(path: Path, value: int = 120, size: int = 8) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((size, size, 3), value, dtype=np.uint8)).save(path, format="PNG")
+
 
 CAPABILITIES = ("prefetch", "shard_ids", "store", "verify", "verifiable", "indices", "epoch", "bad_image_counts")
 
@@ -97,3 +107,80 @@ def test_the_trainer_calls_the_capabilities_instead_of_probing_for_them():
     probes = {str(path.relative_to(ROOT)): pattern.findall(path.read_text(encoding="utf-8"))
               for folder in ("train", "datasets") for path in (ROOT / folder).rglob("*.py")}
     assert not {path: found for path, found in probes.items() if found}
+
+
+@pytest.fixture
+def folder_with_bad(tmp_path):
+    root = tmp_path / "data"
+    for c, name in enumerate(["a", "b", "c"]):
+        for i in range(4):
+            write_png(root / name / f"{i}.png", value=40 * c + 10 * i)
+    bad = root / "b" / "1.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    return root, bad
+
+
+def test_bad_image_replaced_within_class_deterministically(folder_with_bad, capfd):
+    root, bad = folder_with_bad
+    dataset = ImageFolderDataset(root)
+    index = dataset.paths.index(str(bad))
+    image, label = dataset[index]
+    assert label == dataset.labels[index] == 1
+    value = int(np.asarray(image)[0, 0, 0])
+    members = {40 + 10 * i for i in (0, 2, 3)}
+    assert value in members  # another image of class "b"
+    again, _ = dataset[index]
+    assert np.array_equal(np.asarray(again), np.asarray(image))  # keyed by (seed, epoch, index)
+    other = ImageFolderDataset(root)
+    choices = set()
+    for epoch in range(12):
+        other.set_epoch(epoch)
+        choices.add(int(np.asarray(other[index][0])[0, 0, 0]))
+    assert choices <= members and len(choices) > 1  # the key includes the epoch
+    err = capfd.readouterr().err
+    lines = [line for line in err.splitlines() if "bad image" in line]
+    assert len(lines) == 2 and str(bad) in lines[0] and "cannot decode" in lines[0]  # once per dataset object
+    assert dataset.bad_image_counts() == (2, 2)
+    dataset.set_epoch(1)
+    assert dataset.bad_image_counts() == (0, 0)
+
+
+def test_bad_image_raise_policy_and_no_replacement_left(folder_with_bad):
+    root, bad = folder_with_bad
+    dataset = ImageFolderDataset(root, on_bad="raise")
+    with pytest.raises(ImageLoadError, match="1.png"):
+        dataset[dataset.paths.index(str(bad))]
+    for i in range(4):
+        (root / "c" / f"{i}.png").write_bytes(b"junk")
+    dataset = ImageFolderDataset(root)
+    with pytest.raises(ImageLoadError, match=r"no loadable replacement among 3 other member\(s\) of class 2"):
+        dataset[8]
+
+
+def test_bad_image_counts_shared_across_workers_and_through_subset(folder_with_bad):
+    root, bad = folder_with_bad
+    dataset = ImageFolderDataset(root)
+    index = dataset.paths.index(str(bad))
+    subset = LabelledSubset(dataset, np.arange(len(dataset)))
+    for view in (dataset, subset):
+        loader = DataLoader(view, batch_size=3, num_workers=2, collate_fn=lambda batch: [y for _, y in batch])
+        labels = [y for batch in loader for y in batch]
+        assert labels == dataset.labels.tolist()  # shapes and labels kept
+        assert view.bad_image_counts() == (1, len(dataset))
+    assert subset.dataset.bad_image_counts() == (1, len(dataset))  # the parent's own counts are separate
+    subset.set_epoch(3)
+    assert subset.bad_image_counts() == (0, 0)
+    position = int(np.flatnonzero(subset.indices == index)[0])
+    assert subset[position][1] == 1 and subset.bad_image_counts() == (1, 1)
+
+
+def test_subset_indices_follow_the_parent_rule():
+    dataset = SyntheticProducts(3, 2, image_size=16)
+    subset = LabelledSubset(dataset, [1, 4, 5])
+    assert subset[-1][1] == subset[2][1] == 2
+    with pytest.raises(IndexError, match="index 3 out of range for 3 samples"):
+        subset[3]
+    with pytest.raises(IndexError, match="index -4 out of range"):
+        subset[-4]
+    with pytest.raises(IndexError):
+        dataset[len(dataset)]

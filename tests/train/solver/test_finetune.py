@@ -163,7 +163,7 @@ def test_the_documented_fine_tuning_snippet_is_a_valid_config(tmp_path):
 
     import yaml
 
-    manual = (Path(__file__).resolve().parents[2] / "docs" / "trainer.md").read_text()
+    manual = (Path(__file__).resolve().parents[3] / "docs" / "trainer.md").read_text()
     snippet = next(b for b in re.findall(r"```yaml\n(.*?)```", manual, flags=re.S) if "backbone: resnet50" in b)
     tree = yaml.safe_load(snippet)
     weights = tmp_path / "resnet50.pth"
