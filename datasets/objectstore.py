@@ -48,7 +48,7 @@ from torch.utils.data import get_worker_info
 from pksampler.files import atomic_write_bytes
 from pksampler.locations import OBJECT_STORE_SCHEME, is_remote
 
-__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "is_remote", "split_url"]
+__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "split_url"]
 
 #: S3 standard, per GET request (us-east-1): $0.0004 per 1,000
 GET_PRICE_USD = 0.0004 / 1000

@@ -45,11 +45,12 @@ import numpy as np
 from PIL import Image
 
 from pksampler.files import atomic_write_bytes, atomic_write_text, atomic_writer, parse_bytes
+from pksampler.locations import is_remote
 
 from ._image import MAX_IMAGE_PIXELS, ImageLoadError, NotRegularFileError, load_rgb, open_regular
 from .base import LabelledDataset, check_decoding
 from .blockcache import BlockCache
-from .objectstore import DEFAULT_OUTAGE_SECONDS, ObjectStore, is_remote
+from .objectstore import DEFAULT_OUTAGE_SECONDS, ObjectStore
 
 __all__ = [
     "FORMAT_NAME",
