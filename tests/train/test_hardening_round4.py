@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pksampler.world import World
 from pksampler.train.config.agreement import check_ranks_agree, flatten
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
@@ -17,7 +18,8 @@ class TwoRanks(Backend):
 
     def __init__(self, peer_config: dict) -> None:
         super().__init__("cpu", "fp32")
-        self.size, self.peer_config = 2, peer_config
+        self.set_world(World(rank=0, size=2))
+        self.peer_config = peer_config
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         peer = _row(self.peer_config)
@@ -33,7 +35,7 @@ def _row(config: dict) -> np.ndarray:
             return np.stack([row, row])
 
     capture = Capture("cpu", "fp32")
-    capture.size = 2
+    capture.set_world(World(rank=0, size=2))
     check_ranks_agree(config, np.zeros(4, dtype=np.int64), capture)
     return captured["row"]
 
@@ -55,7 +57,7 @@ def test_collective_timeout_has_sane_bounds_named_in_the_error(value):
 
 
 def test_horovod_elastic_in_the_environment_does_not_make_a_torch_run_elastic(monkeypatch):
-    from pksampler.train.run_setup import _horovod_elastic
+    from pksampler.train.engine.elastic import horovod_elastic as _horovod_elastic
 
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     backend = Backend("cpu", "fp32")
