@@ -2,20 +2,22 @@
 
 :func:`train` and :func:`main` live here (detectron2's ``defaults.py`` over
 ``train_loop.py``): this module knows the config and imports the loop
-(:mod:`.trainer`) and the hooks, never the other way round.
+(:mod:`.trainer`) and the hooks, never the other way round. ``main`` chooses
+how the run is driven once (:class:`~.engine.mode.RunMode`: static, or
+Horovod elastic); every step below asks that mode and none branches on it.
 
 1. threads and seed; rank 0 takes the workspace (lock, folders, stale temporaries);
-2. data and the sampler (P = G / W, or its ceil/floor), failures raised together on every rank;
-3. every rank's config and labels compared (a mismatch fails fast, named);
+2. data and the sampler (P = G / W, or its ceil/floor), a rank's failure raised as the mode says;
+3. every rank's config and labels compared (a mismatch fails fast, named), now or in each new world;
 4. model on the rank's device, optimizer (lr scaled with the global batch),
    wrapped for allreduce before any state is loaded, schedule, loss;
 5. resume: rank 0 reads ``last.pt`` (tensors and plain data only), checks what
-   changed, everyone receives it and loads it (:meth:`Trainer.load_state_dict`);
-   parameters and optimizer state broadcast; rank 0 reads the run's events
-   back from ``metrics.jsonl``;
-6. hooks: progress, hard negatives, bad images, checkpoints (before
-   evaluation), evaluation, final artifacts, the metrics log and TensorBoard,
-   then the caller's.
+   changed, the mode hands it to every rank (a broadcast, or the elastic state
+   sync) and it is loaded (:meth:`Trainer.load_state_dict`); rank 0 reads the
+   run's events back from ``metrics.jsonl``;
+6. hooks: hard negatives, bad images, checkpoints (before evaluation; the mode's
+   gate), evaluation, final artifacts, the one writer hook (metrics.jsonl, the
+   progress line, TensorBoard) where the mode puts it, then the caller's.
 """
 
 from __future__ import annotations
