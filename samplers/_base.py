@@ -16,6 +16,8 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from pksampler.world import World
+
 from ._guard import check_not_resharded, check_world_still_holds
 from ._validate import SEED_LIMIT, check_int
 from ._world import rank_share, resolve_world, step_total
@@ -84,8 +86,12 @@ class StepPlanSampler:
         return sum(self.rank_batch_sizes)
 
     # --- protocol ---------------------------------------------------------
-    def set_world(self, num_replicas: int | None, rank: int | None) -> None:
+    def set_world(self, num_replicas: World | int | None, rank: int | None = None) -> None:
         """Take this rank's share of every global step for another world size (an elastic reset).
+
+        ``set_world(world)`` takes a :class:`pksampler.world.World` (the
+        trainer's protocol: every part that owns a share gets the new world);
+        ``set_world(num_replicas, rank)`` the two numbers.
 
         The global plan does not depend on the world size, so the labels'
         grouping, the cached epoch layout, the epoch and the resume step are
@@ -96,6 +102,8 @@ class StepPlanSampler:
         ``state_dict`` and create a new one.
         """
         owner = f"{self._owner}.set_world"
+        if isinstance(num_replicas, World):
+            num_replicas, rank = num_replicas.size, num_replicas.rank
         self._detected_world = num_replicas is None or rank is None
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)
         total_name, share_name = self._step_names

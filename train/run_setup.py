@@ -2,20 +2,22 @@
 
 :func:`train` and :func:`main` live here (detectron2's ``defaults.py`` over
 ``train_loop.py``): this module knows the config and imports the loop
-(:mod:`.trainer`) and the hooks, never the other way round.
+(:mod:`.trainer`) and the hooks, never the other way round. ``main`` chooses
+how the run is driven once (:class:`~.engine.mode.RunMode`: static, or
+Horovod elastic); every step below asks that mode and none branches on it.
 
 1. threads and seed; rank 0 takes the workspace (lock, folders, stale temporaries);
-2. data and the sampler (P = G / W, or its ceil/floor), failures raised together on every rank;
-3. every rank's config and labels compared (a mismatch fails fast, named);
+2. data and the sampler (P = G / W, or its ceil/floor), a rank's failure raised as the mode says;
+3. every rank's config and labels compared (a mismatch fails fast, named), now or in each new world;
 4. model on the rank's device, optimizer (lr scaled with the global batch),
    wrapped for allreduce before any state is loaded, schedule, loss;
 5. resume: rank 0 reads ``last.pt`` (tensors and plain data only), checks what
-   changed, everyone receives it and loads it (:meth:`Trainer.load_state_dict`);
-   parameters and optimizer state broadcast; rank 0 reads the run's events
-   back from ``metrics.jsonl``;
-6. hooks: progress, hard negatives, bad images, checkpoints (before
-   evaluation), evaluation, final artifacts, the metrics log and TensorBoard,
-   then the caller's.
+   changed, the mode hands it to every rank (a broadcast, or the elastic state
+   sync) and it is loaded (:meth:`Trainer.load_state_dict`); rank 0 reads the
+   run's events back from ``metrics.jsonl``;
+6. hooks: hard negatives, bad images, checkpoints (before evaluation; the mode's
+   gate), evaluation, final artifacts, the one writer hook (metrics.jsonl, the
+   progress line, TensorBoard) where the mode puts it, then the caller's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import numpy as np
 import torch
@@ -32,15 +34,14 @@ import torch
 from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
-from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible, raise_together
+from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible
 from pksampler.train.builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of
-from pksampler.train.engine.checkpoint import (CheckpointError, CheckpointWriter, check_training_checkpoint, count_non_finite,
-                         load_checkpoint)
+from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
+                                              load_checkpoint)
 from pksampler.train.engine.datacheck import IndexDigestHook
 from pksampler.train.runtime.device import make_deterministic
 from pksampler.train.runtime.distributed import Backend, make_backend
 from pksampler.train.engine.events import EventStorage
-from pksampler.train.solver.finetune import FreezeBackboneHook
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
 from pksampler.train.engine.hooks import (
     ObjectStoreHook,
@@ -48,14 +49,12 @@ from pksampler.train.engine.hooks import (
     CheckpointHook,
     EvaluationHook,
     FinalArtifactsHook,
+    FreezeBackboneHook,
     HardNegativeHook,
     HookBase,
-    MainRank,
-    MetricsLogHook,
-    OnMainRank,
-    ProgressHook,
-    TensorBoardHook,
 )
+from pksampler.train.engine.mode import RunMode
+from pksampler.train.engine.writers import EventWriter, ProgressWriter, TensorBoardEventWriter
 from pksampler.train.runtime.loader import TrainLoader
 from pksampler.train.losses.pair import build_loss
 from pksampler.train.losses.memory import build_memory
@@ -66,7 +65,7 @@ from pksampler.train.engine.progress import Progress
 from pksampler.train.errors import ConfigError
 from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
-from pksampler.train.engine.elastic import elastic_launch, run_elastic
+from pksampler.train.engine.elastic import choose_run_mode
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
 from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
@@ -94,11 +93,11 @@ class Run:
     workspace: Path
     log: EventLog
     lock: WorkspaceLock | None
-    #: under Horovod elastic: trains inside hvd.elastic.run (see :mod:`.elastic`)
-    elastic: Callable[[], TrainState] | None = None
+    #: how the run is driven (static, or Horovod elastic: :mod:`.engine.mode`)
+    mode: RunMode
 
     def train(self) -> TrainState:
-        return self.elastic() if self.elastic is not None else self.trainer.train()
+        return self.mode.run(self.trainer)
 
     def close(self) -> None:
         if self.trainer.parts.loader is not None:
@@ -108,12 +107,8 @@ class Run:
             self.lock.release()
 
 
-def _prepare(config: RunConfig, backend: Backend, elastic: bool) -> tuple[WorkspaceLock | None, DataParts, Any]:
-    """Workspace (rank 0), data and sampler; any rank's ConfigError is raised on every rank.
-
-    Under Horovod elastic nothing collective runs before ``hvd.elastic.run``
-    (a joiner would meet the survivors' state sync): each rank raises its own.
-    """
+def _prepare(config: RunConfig, backend: Backend, mode: RunMode) -> tuple[WorkspaceLock | None, DataParts, Any]:
+    """Workspace (rank 0), data and sampler; a rank's ConfigError raised as the run mode says (on every rank)."""
     lock, error, data, sampler = None, None, None, None
     try:
         if backend.rank == 0:
@@ -124,10 +119,7 @@ def _prepare(config: RunConfig, backend: Backend, elastic: bool) -> tuple[Worksp
     except ConfigError as caught:
         error = caught
     try:
-        if elastic and error is not None:
-            raise error
-        if not elastic:
-            raise_together(backend, error)
+        mode.raise_together(error)
     except ConfigError:
         if lock is not None:
             lock.release()
@@ -149,14 +141,7 @@ def _model(config: RunConfig, backend: Backend, model: torch.nn.Module | None) -
     return backend.setup.prepare_model(build_model(config.model, norm_class, image_size=config.data.image_size))
 
 
-def _from_main_rank(backend: Backend) -> Callable[[bool], bool]:
-    """Rank 0's yes or no, given to every rank (the others say no; a no-op in one process)."""
-    if backend.size == 1:
-        return lambda flag: flag
-    return lambda flag: bool(backend.allreduce_sum(torch.tensor([float(flag)], device=backend.device)).item() > 0)
-
-
-def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: Any,
+def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataParts, sampler: Any,
                 model: torch.nn.Module | None = None) -> StepParts:
     global_batch = sampler.global_batch_size  # per-rank sizes differ when W does not divide G
     model = _model(config, backend, model)
@@ -165,13 +150,13 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
     except (ValueError, TypeError, ImportError) as error:
         raise ConfigError(str(error)) from None
-    row_optimizers: tuple = ()
+    row_optimizers, shared = (), ()
     if config.loss.weight != 1 and config.head.name is None:
         raise ConfigError(f"loss.weight: {config.loss.weight!r} weighs the pair loss against the head's, and there is "
                           "no head (head.name: null): leave it at 1, or set head.name (arcface, cosface, softmax)")
     if config.head.name is not None:
-        loss_fn = _with_head(config, backend, data, loss_fn)
-        row_optimizers = (loss_fn.row_optimizer,)
+        loss_fn = _with_head(config, backend, mode, data, loss_fn)
+        row_optimizers, shared = (loss_fn.row_optimizer,), (loss_fn,)  # the head's rows: a share of the world
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
     optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
@@ -188,28 +173,28 @@ def _step_parts(config: RunConfig, backend: Backend, data: DataParts, sampler: A
         backend=backend, model=model, train_model=train_model, optimizer=optimizer,
         scheduler=build_schedule(optimizer, config.optim.warmup_steps, total_steps), loss_fn=loss_fn,
         sampler=sampler, train_set=data.train, epochs=epochs, global_batch=global_batch,
-        workers=config.data.workers, gather=config.train.gather_embeddings and backend.size > 1, passes=passes,
+        workers=config.data.workers, gather=config.train.gather_embeddings, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
-        row_optimizers=row_optimizers,
+        row_optimizers=row_optimizers, shared=shared,
     )
 
 
-def _with_head(config: RunConfig, backend: Backend, data: DataParts, pair: Any) -> HeadedLoss:
+def _with_head(config: RunConfig, backend: Backend, mode: RunMode, data: DataParts, pair: Any) -> HeadedLoss:
     """The pair loss plus the row-sharded margin head of ``head:`` (its rows: this rank's range of the classes)."""
     head = config.head
     if config.train.backward_passes_per_step != 1:
         raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
                           f"for batches larger than memory), got {config.train.backward_passes_per_step}")
-    if (backend.size > 1 or _horovod_elastic(backend)) and not config.train.gather_embeddings:
+    if (backend.size > 1 or mode.world_may_change) and not config.train.gather_embeddings:
         raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
                           "global batch)")
     num_classes = int(np.asarray(data.dataset.labels).max()) + 1
     spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
                     subcentres=head.subcentres, weight=head.weight)
     module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed,
-                               local_ranks=_local_ranks(), elastic=_horovod_elastic(backend),
-                               agree_memory=not _horovod_elastic(backend))
+                               local_ranks=_local_ranks(), elastic=mode.keeps_commits,
+                               agree_memory=not mode.keeps_commits)
     divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
     rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
                         grad_divisor=divisor, lr_scale=head.lr_scale)
@@ -241,11 +226,8 @@ def run_epochs(train: TrainConfig, steps_per_epoch: int) -> int:
     return max(1, round(train.steps / steps_per_epoch))
 
 
-def _load_resume_state(config: RunConfig, backend: Backend, elastic: bool) -> dict[str, Any] | None:
-    """Rank 0 reads and checks ``last.pt``; every rank receives it (or the same error).
-
-    Under Horovod elastic rank 0 alone holds it; the elastic state sync sends it.
-    """
+def _load_resume_state(config: RunConfig, backend: Backend, mode: RunMode) -> dict[str, Any] | None:
+    """Rank 0 reads and checks ``last.pt``; the run mode hands it (or the error) to every rank."""
     path = Path(config.workspace) / "checkpoints" / "last.pt"
     state, error = None, None
     if config.train.resume and backend.rank == 0 and path.is_file():
@@ -262,22 +244,15 @@ def _load_resume_state(config: RunConfig, backend: Backend, elastic: bool) -> di
                                       "diverged); resume from an earlier copy or start afresh with --no-resume")
         except ConfigError as caught:
             error, state = caught, None
-    if elastic:
-        if error is not None:
-            raise error
-        return state
-    raise_together(backend, error)
-    return backend.broadcast_object(state, name="pksampler.resume_state") if backend.size > 1 else state
+    mode.raise_together(error)
+    return mode.resume(state)
 
 
-def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
-           checkpoints: CheckpointHook) -> list[HookBase]:
-    """The standard hooks in their order: the epoch's checkpoint is written before evaluation."""
+def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, checkpoints: CheckpointHook,
+           mode: RunMode) -> list[HookBase]:
+    """The standard hooks in their order: the epoch's checkpoint is written before evaluation; the one writer
+    hook (metrics.jsonl, progress, TensorBoard) where the run mode puts it."""
     backend, parts = trainer.parts.backend, trainer.parts
-    elastic = _horovod_elastic(backend)
-    # Under Horovod elastic rank 0 can change hands (its host left): every process holds the rank-0 hooks and
-    # asks at each call; elsewhere the rank is fixed.
-    is_main: MainRank = (lambda: backend.rank == 0) if elastic else backend.rank == 0
     workspace = Path(config.workspace)
     evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
                                  gallery_queries=config.train.gallery_queries, queries=config.eval.queries,
@@ -285,13 +260,11 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
                                                            "check_queries": config.eval.check_queries},
                                  max_bad_fraction=config.data.max_bad_fraction, view=data.view)
     hooks: list[HookBase] = []
-    main_only = _main_only_hooks(is_main)
-    hooks += main_only([lambda: ProgressHook(Progress(parts.sampler.num_batches, parts.epochs,
-                                                      every_seconds=config.train.progress_every_seconds))])
     if getattr(parts.sampler, "needs_class_neighbours", False):
         hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
                                       parts.sampler, backend, epochs=parts.epochs))
-    hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction, is_main=is_main))
+    hooks.append(BadImageHook(data.train, backend, max_fraction=config.data.max_bad_fraction,
+                              is_main=mode.is_main))
     if data.dataset.verifiable:  # shard sets: the full index digest, once per host
         hooks.append(IndexDigestHook(data.dataset, backend))
     if config.model.freeze_backbone_steps:
@@ -299,27 +272,24 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog,
     hooks += [
         checkpoints,
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,
-                       every=config.train.eval_every, epochs=parts.epochs, is_main=is_main,
-                       gallery=lambda: evaluator.last_gallery, share=_from_main_rank(parts.backend)),
+                       every=config.train.eval_every, epochs=parts.epochs, is_main=mode.is_main,
+                       gallery=lambda: evaluator.last_gallery, share=mode.share_main()),
     ]
     if data.dataset.store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
-        hooks.append(ObjectStoreHook(data.dataset.store, backend, is_main=is_main))
-    hooks += main_only([lambda: FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs)])
-    if not elastic:  # elastic: lines are written at commits (CommittedMetricsHook)
-        hooks += main_only([lambda: MetricsLogHook(log)])
-    if _tensorboard_wanted(config.train.tensorboard):
-        hooks += main_only([lambda: TensorBoardHook(TensorBoardWriter(workspace))])
-    return hooks
+        hooks.append(ObjectStoreHook(data.dataset.store, backend, is_main=mode.is_main))
+    hooks += mode.main_only([lambda: FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs)])
+    return mode.writer_hooks(hooks, _writers(config, parts.sampler.num_batches, parts.epochs, log, mode))
 
 
-def _main_only_hooks(is_main: MainRank) -> Callable[[list[Callable[[], HookBase]]], list[HookBase]]:
-    """Rank-0 hooks from their builders: built now on rank 0 (none elsewhere), or, when rank 0 can change hands,
-    wrapped so that whichever process is rank 0 builds and runs them (:class:`OnMainRank`)."""
-    def hooks(builders: list[Callable[[], HookBase]]) -> list[HookBase]:
-        if callable(is_main):
-            return [OnMainRank(build, is_main) for build in builders]
-        return [build() for build in builders] if is_main else []
-    return hooks
+def _writers(config: RunConfig, steps_per_epoch: int, epochs: int, log: EventLog, mode: RunMode) -> list[EventWriter]:
+    """The run's event writers: the progress line, metrics.jsonl, TensorBoard (when wanted)."""
+    workspace = Path(config.workspace)
+    shown = mode.main_writers([lambda: ProgressWriter(Progress(steps_per_epoch, epochs,
+                                                               every_seconds=config.train.progress_every_seconds))])
+    metrics = mode.metrics_writer(log)
+    board = mode.main_writers([lambda: TensorBoardEventWriter(TensorBoardWriter(workspace))]
+                              if _tensorboard_wanted(config.train.tensorboard) else [])
+    return [*shown, *([metrics] if metrics is not None else []), *board]
 
 
 def _start_afresh(workspace: Path, log: EventLog, is_main: bool) -> None:
@@ -330,15 +300,6 @@ def _start_afresh(workspace: Path, log: EventLog, is_main: bool) -> None:
         for stale in (workspace / "checkpoints" / "last.pt", workspace / "checkpoints" / "best.pt",
                       workspace / "final_metrics.json"):
             stale.unlink(missing_ok=True)
-
-
-def _horovod_elastic(backend: Backend) -> bool:
-    """Whether this run is Horovod elastic: launched with a host-discovery script and on the Horovod backend.
-
-    The one place that decides it (``HOROVOD_ELASTIC=1`` alone, e.g. left in the environment of a torchrun job,
-    does not make a run elastic).
-    """
-    return elastic_launch() and backend.name == "horovod"
 
 
 def _tensorboard_wanted(setting: bool | None) -> bool:
@@ -362,40 +323,57 @@ def _embed_training_set(parts: StepParts, data: DataParts, image_size: int) -> t
 
 
 def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,
-             model: torch.nn.Module | None = None) -> Run:
-    """Build every part of a run; the config is read here and nowhere else."""
+             model: torch.nn.Module | None = None, mode: RunMode | None = None) -> Run:
+    """Build every part of a run; the config is read here and nowhere else.
+
+    ``mode``: how the run is driven (:mod:`.engine.mode`); by default the one :func:`main` would choose.
+    """
+    mode = mode if mode is not None else choose_run_mode(backend, commit_every=config.train.commit_every)
     torch.set_num_threads(config.train.threads)
     torch.manual_seed(config.seed)
-    elastic = _horovod_elastic(backend)
-    lock, data, sampler = _prepare(config, backend, elastic)
+    lock, data, sampler = _prepare(config, backend, mode)
     try:
         # Every input of the sampler's plan (labels, G, K, seed, policies) is in the config and the
         # labels compared here, so the sampler's own consistency check would only repeat it.
-        if not elastic:  # elastic: in each new world, inside hvd.elastic.run
-            check_ranks_agree(config.to_dict(), data.dataset.labels, backend)
-        parts = _step_parts(config, backend, data, sampler, model)
+        mode.agree(lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend))
+        parts = _step_parts(config, backend, mode, data, sampler, model)
         trainer = _trainer(config, parts)
-        saved = _load_resume_state(config, backend, elastic)
+        saved = _load_resume_state(config, backend, mode)
         if saved is not None:
-            try:
-                trainer.load_state_dict(saved)
-            except (KeyError, TypeError, ValueError, RuntimeError) as error:
-                reason = " ".join(line.strip() for line in str(error).splitlines()[:2])[:300] or type(error).__name__
-                raise CheckpointError(f"checkpoint {Path(config.workspace) / 'checkpoints' / 'last.pt'} does not fit "
-                                      f"this run ({type(error).__name__}: {reason}); start afresh with --no-resume "
-                                      "or another WORKSPACE") from None
+            _load_into(trainer, saved, Path(config.workspace))
         elif config.model.pretrained:
             load_pretrained(parts.model, config.model.pretrained, backend, name=config.model.backbone)
-        if not elastic:  # elastic: the state sync broadcasts everything
-            backend.broadcast_state(parts.model, parts.optimizer)
+        mode.broadcast_state(parts.model, parts.optimizer)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     workspace = Path(config.workspace)
+    log = _open_log(config, backend, data, trainer, resumed=saved is not None)
+    checkpoints = mode.checkpoints(workspace, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
+                                   metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()})
+    trainer.register([*_hooks(config, trainer, data, log, checkpoints, mode), *extra_hooks])
+    return Run(trainer, workspace, log, mode.workspace_lock(lock, workspace), mode)
+
+
+def _load_into(trainer: Trainer, saved: dict[str, Any], workspace: Path) -> None:
+    """The resumed state into the trainer; a checkpoint that does not fit this run is named."""
+    try:
+        trainer.load_state_dict(saved)
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        reason = " ".join(line.strip() for line in str(error).splitlines()[:2])[:300] or type(error).__name__
+        raise CheckpointError(f"checkpoint {workspace / 'checkpoints' / 'last.pt'} does not fit this run "
+                              f"({type(error).__name__}: {reason}); start afresh with --no-resume or another "
+                              "WORKSPACE") from None
+
+
+def _open_log(config: RunConfig, backend: Backend, data: DataParts, trainer: Trainer, *, resumed: bool) -> EventLog:
+    """metrics.jsonl cut back to the checkpoint (its history replayed) or started afresh; config.json; the
+    start line (rank 0)."""
+    workspace = Path(config.workspace)
     is_main = backend.rank == 0
     log = EventLog(workspace / "metrics.jsonl", is_main)
-    if saved is not None:
+    if resumed:
         log.truncate_after(trainer.state.global_step)
         if is_main:
             replay_history(trainer, workspace / "metrics.jsonl")
@@ -404,43 +382,12 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
     if is_main:
         with writing(workspace / "config.json"):
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
-        _announce(config, backend, data, trainer, resumed=saved is not None)
-
-    # Rank 0 alone writes: a host copy of the state now, the file in a background thread.
-    writer = CheckpointWriter() if is_main or elastic else None
-
-    def write(name: str, checkpoint: dict[str, Any]) -> None:
-        if backend.rank != 0:  # under Horovod elastic every rank builds it and whoever is rank 0 now writes
-            return
-        writer.save(workspace / "checkpoints" / name, checkpoint)
-
-    checkpoints = CheckpointHook(write, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
-                                 metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()},
-                                 is_main=is_main or elastic, finish=writer.close if writer is not None else None)
-    trainer.register([*_hooks(config, trainer, data, log, checkpoints), *extra_hooks])
-    if not elastic:
-        return Run(trainer, workspace, log, lock)
-    lock = lock if lock is not None else WorkspaceLock(workspace)  # taken if this process becomes rank 0
-    loss_state = saved["loss"] if saved is not None else None  # rank 0's resumed head, for the first sync
-    return Run(trainer, workspace, log, lock, _elastic_start(config, trainer, data, checkpoints, lock, loss_state))
-
-
-def _elastic_start(config: RunConfig, trainer: Trainer, data: DataParts, checkpoints: CheckpointHook,
-                   lock: WorkspaceLock, loss_state: dict[str, Any] | None) -> Callable[[], TrainState]:
-    """Training under ``hvd.elastic.run``: samplers rebuilt per world, ranks compared in each new world,
-    ``last.pt`` written only at a commit, the workspace taken by a new rank 0."""
-    backend = trainer.parts.backend
-    return lambda: run_elastic(
-        trainer, commit_every=config.train.commit_every,
-        rebuild_sampler=lambda size, rank: build_sampler(config.sampler, data.train.labels, size, rank, config.seed,
-                                                         shard_ids=shard_ids_of(data.train)),
-        gather_wanted=config.train.gather_embeddings, metrics_path=Path(config.workspace) / "metrics.jsonl",
-        checkpoints=checkpoints, before_start=lambda: check_ranks_agree(config.to_dict(), data.dataset.labels, backend),
-        workspace_lock=lock, loss_state=loss_state)
+        _announce(config, backend, data, trainer, resumed=resumed)
+    return log
 
 
 def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] = (), *,
-          model: torch.nn.Module | None = None) -> TrainResult:
+          model: torch.nn.Module | None = None, mode: RunMode | None = None) -> TrainResult:
     """Run training as ``config`` says on ``backend``; ``extra_hooks`` run after the standard ones.
 
     ``model`` replaces the configured one (``model:`` is then not read): any
@@ -463,7 +410,7 @@ def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] =
 
         result = train(load_config("configs/demo.yaml"), Backend(), model=Net())
     """
-    run = assemble(config, backend, extra_hooks, model=model)
+    run = assemble(config, backend, extra_hooks, model=model, mode=mode)
     try:
         state = run.train()
     finally:
@@ -473,14 +420,15 @@ def train(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase] =
 
 def main(config: RunConfig, extra_hooks: Iterable[HookBase] = (), *,
          model: torch.nn.Module | None = None) -> TrainResult:
-    """Initialise the backend chosen by the config and train."""
+    """Initialise the backend chosen by the config, choose the run mode (static or Horovod elastic), train."""
     if config.train.deterministic:
         make_deterministic()  # before hvd.init, which reads the fusion settings once
     backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision,
                            collective_timeout=config.train.collective_timeout)
     try:
+        mode = choose_run_mode(backend, commit_every=config.train.commit_every)
         try:
-            result = train(config, backend, extra_hooks, model=model)
+            result = train(config, backend, extra_hooks, model=model, mode=mode)
         except RuntimeError as error:
             backend.raise_if_timed_out(error)  # a rank stopped responding: one message naming it
             raise

@@ -12,7 +12,9 @@ Layers:
   never imports ``pksampler.train``;
 * the trainer's sub-packages, each importing only those below it
   (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling``, ``losses``,
-  ``runtime`` < ``evaluation`` < ``engine`` < ``solver``;
+  ``runtime`` < ``solver``, ``evaluation`` < ``engine`` (its ``elastic``
+  package included); ``solver`` is a leaf under ``engine``, as in detectron2
+  (no hook lives there);
 * application: ``train/run_setup.py`` (``train``/``main``), the builders, the
   registry of choices in the package's ``__init__`` and the script, on top;
 * the catalogue (``train/catalogue/``: export, embed, index, query, and its
@@ -36,6 +38,7 @@ PACKAGES = {
     "pksampler.datasets": ROOT / "datasets",
     "pksampler.train": ROOT / "train",
     **{f"pksampler.train.{name}": ROOT / "train" / name for name in SUBPACKAGES},
+    "pksampler.train.engine.elastic": ROOT / "train" / "engine" / "elastic",
 }
 LIBRARY = ("pksampler.samplers", "pksampler.datasets")
 APPLICATION = {"pksampler.train", "pksampler.train.run_setup", "pksampler.train.builders", "pksampler.train.retrieval"}
@@ -51,8 +54,8 @@ ALLOWED = {
     "losses": {"errors", "config"},
     "runtime": {"errors", "config"},
     "evaluation": {"errors", "config", "runtime"},
-    "engine": {"errors", "config", "runtime", "losses", "modeling", "evaluation"},
-    "solver": {"errors", "config", "engine", "modeling"},
+    "engine": {"errors", "config", "runtime", "losses", "modeling", "evaluation", "solver"},
+    "solver": {"errors", "config", "modeling"},
 }
 
 
@@ -144,6 +147,25 @@ def test_the_walk_sees_every_package_and_local_and_relative_imports():
     assert "pksampler.train.engine.trainer" in graph["pksampler.train.engine.hooks"]  # relative, module level
     assert "pksampler.train.run_setup" in graph["pksampler.train"]  # function-local, in the package __init__
     assert "pksampler.train.run_setup" in graph["pksampler.train.retrieval"]  # absolute, function-local
+
+
+def test_every_source_package_is_walked():
+    """A sub-package added or moved (``engine/elastic/``) is in :data:`PACKAGES`, so its imports are checked."""
+    folders = {path.parent for root in (ROOT / "pksampler", ROOT / "samplers", ROOT / "datasets", ROOT / "train")
+               for path in root.rglob("__init__.py")}
+    assert folders <= set(PACKAGES.values()), sorted(map(str, folders - set(PACKAGES.values())))
+    graph = import_graph()
+    assert {"pksampler.train.engine.elastic.run", "pksampler.train.engine.elastic.handlers",
+            "pksampler.train.engine.elastic.commit", "pksampler.train.engine.mode",
+            "pksampler.train.engine.writers", "pksampler.world"} <= set(graph)
+    assert role("pksampler.train.engine.elastic.run") == "engine"
+
+
+def test_the_solver_is_a_leaf_that_imports_no_loop():
+    graph = import_graph()
+    solver = {name: sorted(t for t in targets if role(t) == "engine")
+              for name, targets in graph.items() if role(name) == "solver"}
+    assert solver and not {k: v for k, v in solver.items() if v}, solver
 
 
 def test_the_library_never_imports_the_trainer():

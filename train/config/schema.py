@@ -229,7 +229,7 @@ class TrainConfig:
     # Bit-for-bit repeatable runs under both launchers, on any split of the ranks over hosts
     # (Horovod tensor fusion off, deterministic torch kernels; see train/runtime/device.py).
     deterministic: bool = _rule(False, rules.boolean, resumable=True)
-    # Horovod elastic: in-memory commit every N global steps and at every checkpoint (train/engine/elastic.py)
+    # Horovod elastic: in-memory commit every N global steps and at every checkpoint (train/engine/elastic/commit.py)
     commit_every: int = _rule(10, rules.positive_int, resumable=True)
 
 

@@ -7,8 +7,8 @@ new feature is a new hook. Hooks get the objects they use when they are
 built; they read the loop's progress from ``trainer.state`` and its events
 from ``trainer.storage`` (:mod:`.events`): the loop puts each step's scalars
 there, :class:`EvaluationHook` and :class:`BadImageHook` put their records,
-and the writers (:class:`MetricsLogHook`, :class:`TensorBoardHook`,
-:class:`ProgressHook`, :class:`FinalArtifactsHook`) read it.
+and the writers read it: one :class:`~.writers.WriterHook` over metrics.jsonl,
+TensorBoard and the progress line (:mod:`.writers`), and :class:`FinalArtifactsHook`.
 
 This module imports :class:`HookBase` from the loop, never the reverse.
 """
@@ -29,30 +29,24 @@ from pksampler.train.engine.events import EventStorage
 from pksampler.train.losses.mining import mine_class_neighbours
 from pksampler.train.errors import ConfigError
 from pksampler.train.engine.trainer import HookBase, TrainingDiverged
-from pksampler.train.runtime.workspace import EventLog
 
 __all__ = [
     "BadImageHook",
     "CheckpointHook",
     "EvaluationHook",
     "FinalArtifactsHook",
+    "FreezeBackboneHook",
     "HardNegativeHook",
     "HookBase",
-    "MetricsLogHook",
+    "MainRank",
     "ObjectStoreHook",
     "OnMainRank",
-    "ProgressHook",
-    "TensorBoardHook",
 ]
 
 
-#: "this process is the main rank": a fixed flag, or a callable asked each time (under Horovod elastic, rank 0
-#: can change hands when its host leaves)
-MainRank = bool | Callable[[], bool]
-
-
-def _is_main(flag: MainRank) -> bool:
-    return bool(flag()) if callable(flag) else bool(flag)
+#: "this process is the main rank", asked each time (under Horovod elastic rank 0 can change hands when its host
+#: leaves); the run mode gives it (:meth:`~.mode.RunMode.is_main`)
+MainRank = Callable[[], bool]
 
 
 class OnMainRank(HookBase):
@@ -92,60 +86,6 @@ class OnMainRank(HookBase):
         self._forward("after_train")
 
 
-class MetricsLogHook(HookBase):
-    """``metrics.jsonl`` (rank 0): one line per optimizer step, and each record hooks put in the storage.
-
-    Records are written after each epoch and when training ends (also by an
-    exception), so a hook that records and then stops the run is still logged.
-    Records already in the storage when training starts (a resumed run's
-    history, read back from this file) are not written again.
-    """
-
-    def __init__(self, log: EventLog) -> None:
-        self.log = log
-        self._cursor = 0
-
-    def before_train(self) -> None:
-        self._cursor = len(self.trainer.storage.records())
-
-    def after_step(self) -> None:
-        record = self.trainer.storage.latest_step
-        if record is not None:
-            self.log.write(**record)
-
-    def after_epoch(self) -> None:
-        self._write_records()
-
-    def after_train(self) -> None:
-        self._write_records()
-
-    def _write_records(self) -> None:
-        records, self._cursor = self.trainer.storage.records_since(self._cursor)
-        for record in records:
-            self.log.write(**record)
-
-
-class ProgressHook(HookBase):
-    """Rank 0's progress display (a bar on a terminal, plain periodic lines in a log), fed by the storage."""
-
-    def __init__(self, progress: Any) -> None:
-        self.progress = progress
-
-    def before_epoch(self) -> None:
-        self.progress.start_epoch(self.trainer.state.epoch, step=self.trainer.state.consumed)
-
-    def after_step(self) -> None:
-        record = self.trainer.storage.latest_step
-        self.progress.update(record["step"], loss=record.get("loss"), images_per_sec=record.get("images_per_sec"),
-                             lr=record.get("lr"))
-
-    def after_epoch(self) -> None:
-        self.progress.end_epoch()
-
-    def after_train(self) -> None:
-        self.progress.close()
-
-
 class CheckpointHook(HookBase):
     """``last.pt`` every ``every`` steps, at ``max_steps`` (then stop) and after each epoch.
 
@@ -157,7 +97,7 @@ class CheckpointHook(HookBase):
     is on disk (:class:`~.checkpoint.CheckpointWriter`); ``finish``, called
     after training, waits for the last write and raises a failed one's error.
 
-    ``commit``, when set (Horovod elastic, :func:`~.elastic.register_commits`),
+    ``commit``, when set (Horovod elastic, :class:`~.elastic.commit.Commits`),
     is called on every rank before each ``last.pt`` is built: ``last.pt`` is
     then taken only at a commit, so it is never ahead of the step lines in
     ``metrics.jsonl`` (written at commits) nor of the state a reset rolls
@@ -167,7 +107,7 @@ class CheckpointHook(HookBase):
     """
 
     def __init__(self, write: Callable[[str, dict[str, Any]], None], *, every: int, max_steps: int | None,
-                 metadata: dict[str, Any] | None = None, is_main: bool = True,
+                 metadata: dict[str, Any] | None = None, is_main: MainRank = lambda: True,
                  finish: Callable[[], None] | None = None, commit: Callable[[], None] | None = None) -> None:
         self.write, self.every, self.max_steps = write, every, max_steps
         self.metadata, self.is_main, self.finish = dict(metadata or {}), is_main, finish
@@ -198,7 +138,7 @@ class CheckpointHook(HookBase):
 
     def _build_and_write(self, name: str) -> None:
         state = self.trainer.state_dict()  # on every rank: a sharded head gathers its rows here
-        if self.is_main:
+        if self.is_main():
             self.write(name, {**self.metadata, **state})
 
     def before_train(self) -> None:
@@ -242,7 +182,7 @@ class EvaluationHook(HookBase):
         if state.epoch % self.every and state.epoch != self.epochs:
             return
         metrics = self.evaluate(state.epoch)
-        improved = self._record(metrics) if _is_main(self.is_main) else False
+        improved = self._record(metrics) if self.is_main() else False
         # Every rank saves together: a sharded head gathers its rows from all ranks to build the checkpoint.
         if self.share(improved):
             self.save("best.pt")
@@ -259,39 +199,6 @@ class EvaluationHook(HookBase):
             return False
         state.best = metrics["recall_at_1"]
         return True
-
-
-class TensorBoardHook(HookBase):
-    """TensorBoard (rank 0): each step's scalars, and every new evaluation record and image after an epoch."""
-
-    def __init__(self, writer: Any) -> None:
-        self.writer = writer
-        self._records = self._images = 0
-
-    def before_train(self) -> None:
-        storage = self.trainer.storage
-        self._records, self._images = len(storage.records()), storage.images_since(0)[1]
-
-    def after_step(self) -> None:
-        record = self.trainer.storage.latest_step
-        self.writer.scalars(record["global_step"], loss=record.get("loss"), lr=record.get("lr"),
-                            images_per_sec=record.get("images_per_sec"))
-
-    def after_epoch(self) -> None:
-        storage = self.trainer.storage
-        records, self._records = storage.records_since(self._records)
-        images, self._images = storage.images_since(self._images)
-        for record in records:
-            if record["type"] == "eval":
-                metrics = {k: v for k, v in record.items() if k not in ("type", "epoch", "global_step")}
-                self.writer.metrics(record["global_step"], metrics, epoch=record["epoch"])
-        for tag, step, path in images:
-            self.writer.image(tag, step, path)
-        if records or images:
-            self.writer.flush()
-
-    def after_train(self) -> None:
-        self.writer.close()
 
 
 class BadImageHook(HookBase):
@@ -313,7 +220,7 @@ class BadImageHook(HookBase):
         if not bad:
             return
         epoch = self.trainer.state.epoch
-        if _is_main(self.is_main):
+        if self.is_main():
             self.trainer.storage.put_record("bad_images", epoch=epoch, global_step=self.trainer.state.global_step,
                                             bad=bad, total=total)
             print(f"[pksampler] epoch {epoch}: {bad} of {total} images could not be decoded and were replaced by "
@@ -345,7 +252,7 @@ class ObjectStoreHook(HookBase):
         local = np.array(self.store.counts(), dtype=np.int64)
         gets, size = (int(v) for v in self.backend.allgather_numpy(local).sum(axis=0))
         seconds = max(time.monotonic() - self.started, 1e-9)
-        if _is_main(self.is_main):
+        if self.is_main():
             state = self.trainer.state
             self.trainer.storage.put_record("objectstore", epoch=state.epoch, global_step=state.global_step, gets=gets,
                                             bytes=size, gets_per_s=gets / seconds, cost_usd=cost_usd(gets))
@@ -399,3 +306,29 @@ class FinalArtifactsHook(HookBase):
 
 def _plain(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: (v.item() if isinstance(v, np.generic) else v) for k, v in metrics.items()}
+
+
+class FreezeBackboneHook(HookBase):
+    """The backbone group's learning rate is 0 while fewer than ``steps`` optimizer steps are done.
+
+    Checked before training (so a run resumed at step s < N stays frozen) and
+    after every step, after the schedule has set the next step's rates: the
+    steps numbered 0 .. N-1 leave the backbone as it was; step N trains it at
+    the schedule's rate. The groups are :func:`~pksampler.train.solver.finetune.parameter_groups`'
+    (the backbone's is named ``backbone``).
+    """
+
+    def __init__(self, optimizer: Any, *, steps: int) -> None:
+        self.optimizer, self.steps = optimizer, steps
+
+    def _apply(self) -> None:
+        if self.trainer.state.global_step < self.steps:
+            for group in self.optimizer.param_groups:
+                if group.get("name") == "backbone":
+                    group["lr"] = 0.0
+
+    def before_train(self) -> None:
+        self._apply()
+
+    def after_step(self) -> None:
+        self._apply()

@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from pksampler.world import World
+
 from pksampler.train.engine.checkpoint import to_numpy
 from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
@@ -38,7 +40,10 @@ class HookBase:
     The loop calls ``before_train``, ``before_epoch``, ``after_step``,
     ``after_epoch`` and ``after_train`` on its hooks in the order they were
     registered (detectron2's ``HookBase`` shape); ``self.trainer`` is set on
-    registration.
+    registration. ``on_world_change`` is called when the set of ranks changes
+    (:meth:`Trainer.set_world`, a Horovod elastic reset), after every part that
+    owns a share has taken the new world and before the loop starts again with
+    ``before_train``; a loop left by such a change does not call ``after_train``.
     """
 
     trainer: "Trainer"
@@ -56,6 +61,9 @@ class HookBase:
         pass
 
     def after_train(self) -> None:
+        pass
+
+    def on_world_change(self) -> None:
         pass
 
 
@@ -110,7 +118,7 @@ class StepParts:
     epochs: int
     global_batch: int
     workers: int = 0
-    gather: bool = True
+    gather: bool = True  # all-gather the embeddings when the world has more than one rank
     passes: int = 1
     scaler: torch.amp.GradScaler | None = None
     seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
@@ -118,6 +126,14 @@ class StepParts:
     # optimizers of parameters no data-parallel wrapper may average (a row-sharded head): step(lr) after the
     # dense optimizer, at the first parameter group's learning rate
     row_optimizers: Sequence[Any] = ()
+    # parts that own a share of the world besides the backend and the sampler (the sharded head's loss): each
+    # takes a new world with set_world(world) (:meth:`Trainer.set_world`)
+    shared: Sequence[Any] = ()
+
+    @property
+    def gathers(self) -> bool:
+        """Whether this step all-gathers the embeddings: wanted, and more than one rank in the current world."""
+        return self.gather and self.backend.size > 1
 
 
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,7 +178,9 @@ class Trainer:
     def global_batch(self) -> int:
         return self.parts.global_batch
 
-    def train(self) -> TrainState:
+    def train(self, *, interrupted_by: tuple[type[BaseException], ...] = ()) -> TrainState:
+        """Run the epochs; ``after_train`` follows, unless one of ``interrupted_by`` (a change of world, after
+        which the loop is entered again) leaves the loop: a hook then keeps its writer open."""
         self._call("before_train")
         try:
             while self.state.epoch < self.parts.epochs and not self.state.stop:
@@ -173,9 +191,28 @@ class Trainer:
                 self.state.epoch += 1
                 self.state.consumed = 0
                 self._call("after_epoch")
-        finally:
+        except interrupted_by:
+            raise
+        except BaseException:
             self._call("after_train")
+            raise
+        self._call("after_train")
         return self.state
+
+    def set_world(self, world: World) -> None:
+        """A new world (a membership change): every part that owns a share takes it, then every hook is told.
+
+        The backend first (rank, size and the loss scale follow from the world), then the sampler (the same
+        object: the loader's reference stays valid, and no label is grouped again), then
+        :attr:`StepParts.shared`; the embeddings are gathered from here on when the new world has more than
+        one rank.
+        """
+        parts = self.parts
+        parts.backend.set_world(world)
+        parts.sampler.set_world(world)
+        for part in parts.shared:
+            part.set_world(world)
+        self._call("on_world_change")
 
     def _call(self, point: str) -> None:
         for hook in self.hooks:
@@ -270,7 +307,7 @@ class Trainer:
         """
         parts = self.parts
         scale = 1.0
-        if parts.gather:
+        if parts.gathers:
             embeddings, labels = gather_batch(parts.backend, embeddings, labels)
             scale = parts.backend.gathered_loss_scale
         loss = parts.loss_fn(embeddings, labels)
@@ -299,7 +336,7 @@ class Trainer:
         state.global_step += 1
         # Gathered embeddings give every rank the same loss; otherwise average it (and the finiteness flag).
         loss, finite = self._last_loss, self._embeddings_finite
-        if not parts.gather and backend.size > 1:
+        if not parts.gathers and backend.size > 1:
             both = backend.allreduce_mean(torch.stack([loss.float(), finite.float()]))
             loss, finite = both[0], both[1] == 1
         state.loss = float(loss)

@@ -36,6 +36,7 @@ from torch.nn import functional as F
 
 from pksampler.hashing import splitmix64
 from pksampler.samplers import rank_share
+from pksampler.world import World
 from pksampler.train.config.schema import MAX_HEAD_SCALE
 from pksampler.train.errors import ConfigError
 
@@ -335,12 +336,12 @@ class ShardedMarginHead(torch.nn.Module):
         self.rows.copy_(rows[self.lo:self.hi])
         self.step = int(saved["step"])
 
-    def reshard(self) -> None:
-        """Take this rank's range in the collectives' current world (after a Horovod elastic reset).
+    def set_world(self, world: World) -> None:
+        """Take this rank's range in ``world`` (after a Horovod elastic reset: the world protocol).
 
-        The rows are zero until a whole-head state is loaded (:meth:`load_state_dict_rows`).
+        The rows are zero until a whole-head state is loaded (:meth:`load_state_dict_rows`) or assembled.
         """
-        self.lo, self.hi = shard_range(self.num_classes, self.collectives.size, self.collectives.rank)
+        self.lo, self.hi = shard_range(self.num_classes, world.size, world.rank)
         self.rows = torch.zeros(self.hi - self.lo, self.spec.subcentres, self.dim, device=self.rows.device)
         self.pending = None
 

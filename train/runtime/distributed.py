@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from pksampler import comm
+from pksampler.world import World
 
 from pksampler.train.runtime.device import (DeviceSetup, horovod_cpu_defaults, horovod_elastic_defaults,
                                             setup_device)
@@ -56,12 +57,44 @@ class Backend:
     """Single process: every collective is the identity (through :mod:`pksampler.comm`)."""
 
     name = "none"
-    gathered_loss_scale = 1.0
+    #: whether the gathered batch's loss is multiplied by the world size (Horovod; see the module's docstring)
+    scales_gathered_loss = False
 
     def __init__(self, device: str = "cpu", precision: str = "fp32", *, setup: DeviceSetup | None = None) -> None:
-        self.rank, self.size = comm.world_info()
-        self.local_rank = comm.local_rank()
+        self._world = World.detect()
         self.setup: DeviceSetup = setup if setup is not None else setup_device(device, precision, self.local_rank)
+
+    # --- the world: one value, replaced whole at a membership change ---------------------
+    @property
+    def world(self) -> World:
+        """This process's :class:`~pksampler.world.World` (rank, size, local rank)."""
+        return self._world
+
+    def set_world(self, world: World) -> None:
+        """The world after a membership change (a Horovod elastic reset); rank, size and the loss scale follow.
+
+        The device stays: a process keeps its GPU across a reset.
+        """
+        if not isinstance(world, World):
+            raise TypeError(f"Backend.set_world(world=) expects a pksampler.world.World, got {type(world).__name__}")
+        self._world = world
+
+    @property
+    def rank(self) -> int:
+        return self._world.rank
+
+    @property
+    def size(self) -> int:
+        return self._world.size
+
+    @property
+    def local_rank(self) -> int:
+        return self._world.local_rank
+
+    @property
+    def gathered_loss_scale(self) -> float:
+        """What the loss of an all-gathered batch is multiplied by: the world size under Horovod, else 1."""
+        return float(self.size) if self.scales_gathered_loss else 1.0
 
     @property
     def device(self) -> torch.device:
@@ -146,6 +179,7 @@ class HorovodBackend(Backend):
     """Horovod: ``hvd.init``, ring-allreduce in ``hvd.DistributedOptimizer`` (NCCL on GPU builds)."""
 
     name = "horovod"
+    scales_gathered_loss = True
 
     def __init__(self, device: str = "auto", precision: str = "auto") -> None:
         import horovod.torch as hvd
@@ -155,7 +189,6 @@ class HorovodBackend(Backend):
         hvd.init()
         self.hvd = hvd
         super().__init__(device, precision)
-        self.gathered_loss_scale = float(self.size)
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -11,7 +11,7 @@
   and the backbone's at ``lr * scale``; the warm-up/cosine schedule
   multiplies both, and the groups (tagged ``name: head|backbone``) are saved
   and restored with the optimizer state.
-* ``model.freeze_backbone_steps``: :class:`FreezeBackboneHook` holds the
+* ``model.freeze_backbone_steps``: :class:`~pksampler.train.engine.hooks.FreezeBackboneHook` holds the
   backbone group's learning rate at 0 for the first N optimizer steps (a
   resumed run included), then leaves it to the schedule. The backbone's
   gradients are still computed and reduced during those steps, so every rank
@@ -29,13 +29,11 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
 from torch import nn
 
 from pksampler.train.errors import ConfigError
-from pksampler.train.engine.trainer import HookBase
 
-__all__ = ["FreezeBackboneHook", "backbone_parameters", "parameter_groups"]
+__all__ = ["backbone_parameters", "parameter_groups"]
 
 
 def backbone_parameters(model: nn.Module) -> list[nn.Parameter] | None:
@@ -67,28 +65,3 @@ def parameter_groups(model: nn.Module, extra: Iterable[nn.Parameter], lr: float,
     trunk = [p for p in everything if id(p) in inside]
     return [{"params": head, "lr": lr, "name": "head"},
             {"params": trunk, "lr": lr * backbone_lr_scale, "name": "backbone"}]
-
-
-class FreezeBackboneHook(HookBase):
-    """The backbone group's learning rate is 0 while fewer than ``steps`` optimizer steps are done.
-
-    Checked before training (so a run resumed at step s < N stays frozen) and
-    after every step, after the schedule has set the next step's rates: the
-    steps numbered 0 .. N-1 leave the backbone as it was; step N trains it at
-    the schedule's rate.
-    """
-
-    def __init__(self, optimizer: torch.optim.Optimizer, *, steps: int) -> None:
-        self.optimizer, self.steps = optimizer, steps
-
-    def _apply(self) -> None:
-        if self.trainer.state.global_step < self.steps:
-            for group in self.optimizer.param_groups:
-                if group.get("name") == "backbone":
-                    group["lr"] = 0.0
-
-    def before_train(self) -> None:
-        self._apply()
-
-    def after_step(self) -> None:
-        self._apply()

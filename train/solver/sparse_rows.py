@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 import torch
 
+from pksampler.world import World
+
 from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 
@@ -76,9 +78,11 @@ class SparseRowSGD:
         self.head.rows[rows] = weights - lr * buffer
         self.moved_at[host] = self.steps
 
-    def begin_world(self) -> None:
-        """This rank's range in the collectives' current world: rows and momentum zero until loaded."""
-        self.head.reshard()
+    def begin_world(self, world: World | None = None) -> None:
+        """This rank's range in ``world`` (default: the collectives' current one): rows and momentum zero until
+        loaded."""
+        collectives = self.head.collectives
+        self.head.set_world(world if world is not None else World(rank=collectives.rank, size=collectives.size))
         self.buffer = torch.zeros_like(self.head.rows)
         self.moved_at = torch.zeros(self.head.rows.shape[0], dtype=torch.int64)
 
@@ -88,10 +92,14 @@ class SparseRowSGD:
         self.begin_world()
         if saved is not None:
             self.load_state_dict(saved)
-        elif self.steps == 0:
-            self.head.rows.copy_(self.head.initial_rows())
         else:
+            self.load_initial()
+
+    def load_initial(self) -> None:
+        """The head's initial rows for the current range (a reset before any step was committed)."""
+        if self.steps != 0:
             raise RuntimeError(f"the sharded head took {self.steps} steps but has no committed copy to re-shard from")
+        self.head.rows.copy_(self.head.initial_rows())
 
     def settle_rows(self, rows: torch.Tensor) -> None:
         """Apply the pending weight decay of ``rows`` before a step reads them (the gradient of a normalised
@@ -169,16 +177,21 @@ class HeadedLoss:
             return self.weight * head_loss
         return self.pair_weight * self.pair(embeddings, labels) + self.weight * head_loss
 
-    def reshard(self, saved: dict[str, Any] | None, *, grad_divisor: float) -> None:
-        """For a new world (a Horovod elastic reset): this rank's new range of rows, loaded from ``saved``
-        (:meth:`state_dict`, which holds the whole head; ``None`` before the first step: the initial rows),
-        and the new world's gradient divisor."""
+    def set_world(self, world: World) -> None:
+        """The world protocol (a Horovod elastic reset): this rank's range of rows in ``world``, zero until the
+        committed head is assembled into it (:meth:`load_assembled`, or :meth:`load_initial` before any
+        commit). Not collective: the trainer calls it on every survivor; a joiner's head is built in its world."""
+        self.row_optimizer.begin_world(world)
+
+    def _set_grad_divisor(self, grad_divisor: float) -> None:
         self.row_optimizer.grad_divisor = grad_divisor
         if self.neck is not None:
             self.neck.grad_divisor = grad_divisor
-        self.row_optimizer.reshard(saved["head"] if saved is not None else None)
-        if saved is not None:
-            self._load_pair_and_neck(saved)
+
+    def load_initial(self, *, grad_divisor: float) -> None:
+        """For a new world with no committed step: the initial rows of this rank's range, the new divisor."""
+        self._set_grad_divisor(grad_divisor)
+        self.row_optimizer.load_initial()
 
     def own_range(self) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the dense state (pair loss, neck, the head's
@@ -193,11 +206,9 @@ class HeadedLoss:
                        grad_divisor: float) -> None:
         """For a new world: this rank's new range, its rows and momentum written by ``fill(rows, momentum)``
         (a collective, :func:`~pksampler.train.modeling.head_replicas.assemble`), then ``dense``
-        (:meth:`own_range`'s) and the new world's gradient divisor."""
-        self.row_optimizer.grad_divisor = grad_divisor
-        if self.neck is not None:
-            self.neck.grad_divisor = grad_divisor
-        self.row_optimizer.begin_world()
+        (:meth:`own_range`'s) and the new world's gradient divisor. The range is the current world's
+        (:meth:`set_world`, or a joiner's head built in it)."""
+        self._set_grad_divisor(grad_divisor)
         fill(self.head.rows, self.row_optimizer.buffer)
         self.row_optimizer.load_meta(dense["head"])
         self._load_pair_and_neck(dense)

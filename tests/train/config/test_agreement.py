@@ -9,6 +9,7 @@ from pksampler.train.config.agreement import check_ranks_agree, flatten
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.distributed import Backend
+from pksampler.world import World
 
 
 class TwoRanks(Backend):
@@ -16,7 +17,8 @@ class TwoRanks(Backend):
 
     def __init__(self, peer_config: dict) -> None:
         super().__init__("cpu", "fp32")
-        self.size, self.peer_config = 2, peer_config
+        self.set_world(World(rank=0, size=2))
+        self.peer_config = peer_config
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         peer = _row(self.peer_config)
@@ -32,7 +34,7 @@ def _row(config: dict) -> np.ndarray:
             return np.stack([row, row])
 
     capture = Capture("cpu", "fp32")
-    capture.size = 2
+    capture.set_world(World(rank=0, size=2))
     check_ranks_agree(config, np.zeros(4, dtype=np.int64), capture)
     return captured["row"]
 

@@ -8,13 +8,10 @@ import numpy as np
 import pytest
 
 from pksampler.train.config.load import ConfigError, load_config
-from pksampler.train.engine.elastic import (
-    CommittedMetricsHook,
-    SamplerHandler,
-    _TrainStateHandler,
-    elastic_launch,
-    rejoin_timeout,
-)
+from pksampler.train.engine.elastic import SamplerHandler, elastic_launch, rejoin_timeout
+from pksampler.train.engine.elastic.handlers import _TrainStateHandler
+from pksampler.train.engine.writers import CommittedJSONWriter, WriterHook
+from pksampler.world import World
 from pksampler.train.builders import build_sampler
 from pksampler.train.engine.events import EventStorage
 from pksampler.train.config.schema import SamplerConfig
@@ -48,14 +45,10 @@ def test_reshard_continues_the_same_global_steps_at_another_world_size(old, new)
         sampler = _sampler(old, rank % old)
         sampler.set_epoch(epoch)
         position = {**sampler.state_dict(batches_consumed=0), "step": consumed}
-
-        def rebuild(state, rank=rank):
-            rebuilt = _sampler(new, rank)
-            rebuilt.load_state_dict(state)
-            return rebuilt
-
-        handler = SamplerHandler(sampler, position=lambda position=position: position, rebuild=rebuild)
-        handler.reshard()
+        handler = SamplerHandler(sampler, position=lambda position=position: position)
+        sampler.set_world(World(rank=rank, size=new))  # the trainer's set_world at a reset: the same object
+        handler.on_reset()
+        assert handler.value is sampler
         handlers.append(handler)
     after = [sorted(i for batch in step for i in batch) for step in zip(*(list(h.value) for h in handlers))]
     assert after == _global_steps(1, epoch, consumed)
@@ -65,7 +58,7 @@ def test_reshard_continues_the_same_global_steps_at_another_world_size(old, new)
 def test_sampler_handler_restores_the_saved_position():
     sampler = _sampler(2, 0)
     state = {"step": 2}
-    handler = SamplerHandler(sampler, position=lambda: {**sampler.state_dict(0), **state}, rebuild=lambda s: sampler)
+    handler = SamplerHandler(sampler, position=lambda: {**sampler.state_dict(0), **state})
     state["step"] = 5
     handler.restore()
     assert sampler.state_dict(0)["step"] == 2
@@ -86,7 +79,8 @@ def test_train_state_rolls_back_in_place():
 
 def test_metrics_are_written_once_at_commits_by_the_current_rank_zero(tmp_path):
     path, main = tmp_path / "metrics.jsonl", {"now": True}
-    hook = CommittedMetricsHook(path, lambda: main["now"])
+    log = CommittedJSONWriter(path, lambda: main["now"])
+    hook = WriterHook([log])
 
     class Loop:
         storage = EventStorage()
@@ -97,16 +91,18 @@ def test_metrics_are_written_once_at_commits_by_the_current_rank_zero(tmp_path):
         Loop.storage.put_step(global_step=step, loss=0.5)
         hook.after_step()
     Loop.storage.put_record("eval", epoch=1, global_step=2, recall_at_1=0.25)
-    hook.flush()
+    hook.flush()  # a commit: the records since the last one, then the lines are final
+    log.commit()
     Loop.storage.put_step(global_step=3, loss=0.5)
     hook.after_step()
     Loop.storage.put_record("eval", epoch=2, global_step=3, recall_at_1=0.5)
-    hook.drop()  # a reset: step 3 and its epoch's evaluation are rolled back
+    hook.on_world_change()  # a reset: step 3 and its epoch's evaluation are rolled back
     hook.before_train()
     main["now"] = False
     Loop.storage.put_step(global_step=3, loss=0.5)
     hook.after_step()
     hook.flush()  # not rank 0: nothing written
+    log.commit()
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(r["type"], r["global_step"]) for r in lines] == [("step", 1), ("step", 2), ("eval", 2)]
 
@@ -117,18 +113,20 @@ def test_a_new_rank_0_completes_a_log_its_predecessor_died_writing(tmp_path):
     Every rank keeps its last commit's lines; the new rank 0 drops the broken line and appends what is missing.
     """
     path = tmp_path / "metrics.jsonl"
-    survivor = CommittedMetricsHook(path, lambda: False)
+    survivor = CommittedJSONWriter(path, lambda: False)
+    hook = WriterHook([survivor])
 
     class Loop:
         storage = EventStorage()
 
-    survivor.trainer = Loop()
-    survivor.before_train()
+    hook.trainer = Loop()
+    hook.before_train()
     for commit in ((1, 2), (3, 4)):
         for step in commit:
             Loop.storage.put_step(global_step=step, loss=0.5)
-            survivor.after_step()
-        survivor.flush()  # not rank 0: writes nothing, keeps the lines
+            hook.after_step()
+        hook.flush()
+        survivor.commit()  # not rank 0: writes nothing, keeps the lines
     step = lambda n, img_s: json.dumps({"type": "step", "global_step": n, "loss": 0.5, "img_s": img_s})  # noqa: E731
     path.write_text(f"{step(1, 10.0)}\n{step(2, 11.0)}\n{step(3, 9.0)}\n" + step(4, 9.5)[:17])
     survivor.repair()
@@ -164,32 +162,29 @@ def test_commit_every_must_be_positive():
 
 
 def test_a_reset_is_not_the_end_of_training_for_the_hooks():
-    from horovod.common.exceptions import HostsUpdatedInterrupt
+    from types import SimpleNamespace
 
-    from pksampler.train.engine.elastic import _keep_hooks_open_across_resets
-    from pksampler.train.engine.trainer import HookBase
+    from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
-    closed = []
+    from pksampler.train.engine.trainer import HookBase, Trainer
+
+    closed, failure = [], [HostsUpdatedInterrupt(False)]
 
     class Closing(HookBase):
+        def before_epoch(self) -> None:
+            raise failure[0]
+
         def after_train(self) -> None:
             closed.append(True)
 
-    class Loop:
-        hooks = [Closing()]
-
-    _keep_hooks_open_across_resets(Loop)
+    loop = Trainer(SimpleNamespace(epochs=1), [Closing()])
+    resets = (HorovodInternalError, HostsUpdatedInterrupt)
     with pytest.raises(HostsUpdatedInterrupt):
-        try:
-            raise HostsUpdatedInterrupt(False)
-        finally:
-            Loop.hooks[0].after_train()  # the loop's way out of a reset
+        loop.train(interrupted_by=resets)  # the loop's way out of a reset
     assert closed == []
+    failure[0] = RuntimeError("a real failure")
     with pytest.raises(RuntimeError):
-        try:
-            raise RuntimeError("a real failure")
-        finally:
-            Loop.hooks[0].after_train()
+        loop.train(interrupted_by=resets)
     assert closed == [True]
 
 
@@ -210,7 +205,7 @@ def test_the_saved_position_is_the_loops_not_the_samplers_iterator():
 
 
 def test_horovod_elastic_in_the_environment_does_not_make_a_torch_run_elastic(monkeypatch):
-    from pksampler.train.run_setup import _horovod_elastic
+    from pksampler.train.engine.elastic import horovod_elastic as _horovod_elastic
 
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     backend = Backend("cpu", "fp32")

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from pksampler.world import World
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedTripletBatchSampler
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
@@ -28,11 +29,9 @@ from pksampler.train.engine.hooks import (
     FinalArtifactsHook,
     HardNegativeHook,
     HookBase,
-    MetricsLogHook,
     OnMainRank,
-    ProgressHook,
-    TensorBoardHook,
 )
+from pksampler.train.engine.writers import CommittedJSONWriter, JSONWriter, ProgressWriter, TensorBoardEventWriter, WriterHook
 from pksampler.train.engine.progress import Progress
 from pksampler.train.errors import ConfigError
 from pksampler.train.engine.trainer import StepParts, Trainer
@@ -113,7 +112,8 @@ class FakeBackend(Backend):
 
     def __init__(self, *, rank: int = 0, size: int = 1, received=None, others: list[np.ndarray] = ()) -> None:
         super().__init__()
-        self.rank, self.size, self.received, self.others = rank, size, received, list(others)
+        self.set_world(World(rank=rank, size=size))
+        self.received, self.others = received, list(others)
         self.broadcasts: list[str] = []
 
     def broadcast_object(self, value, root=0, *, name="pksampler.broadcast_object"):
@@ -217,7 +217,7 @@ def test_metrics_log_writes_each_step_and_each_new_record_but_not_the_replayed_o
                                             global_step=self.trainer.state.global_step, recall_at_1=0.5)
 
     log = EventLog(tmp_path / "metrics.jsonl", True)
-    trainer = make_trainer([Evaluate(), MetricsLogHook(log)], storage=storage)
+    trainer = make_trainer([Evaluate(), WriterHook([JSONWriter(log)])], storage=storage)
     trainer.train()
     log.close()
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -238,7 +238,7 @@ def test_metrics_log_writes_a_record_put_just_before_the_run_stops(tmp_path):
 
     log = EventLog(tmp_path / "metrics.jsonl", True)
     with pytest.raises(ConfigError):
-        make_trainer([MetricsLogHook(log), RecordThenFail()]).train()
+        make_trainer([WriterHook([JSONWriter(log)]), RecordThenFail()]).train()
     log.close()
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["type"] == "bad_images"
 
@@ -246,7 +246,7 @@ def test_metrics_log_writes_a_record_put_just_before_the_run_stops(tmp_path):
 def test_progress_shows_the_storage_values():
     stream = io.StringIO()
     progress = Progress(3, 2, interactive=False, every_steps=3, every_seconds=None, stream=stream)
-    trainer = make_trainer([ProgressHook(progress)])
+    trainer = make_trainer([WriterHook([ProgressWriter(progress)])])
     trainer.train()
     lines = stream.getvalue().splitlines()
     assert [line.split(" loss ")[0] for line in lines] == ["[pksampler] epoch 1/2 step 3/3", "[pksampler] epoch 2/2 step 3/3"]
@@ -276,7 +276,7 @@ def test_checkpoints_stop_at_max_steps_and_only_the_main_rank_writes():
     state = trainer.train()
     assert written == [3, 4] and state.global_step == 4 and state.stop
     quiet: list = []
-    make_trainer([CheckpointHook(lambda *a: quiet.append(a), every=1, max_steps=None, is_main=False)]).train()
+    make_trainer([CheckpointHook(lambda *a: quiet.append(a), every=1, max_steps=None, is_main=lambda: False)]).train()
     assert quiet == []
 
 
@@ -285,7 +285,7 @@ def test_evaluation_records_metrics_and_gallery_and_keeps_the_best(tmp_path):
     saved: list[tuple[str, int]] = []
     trainer = make_trainer(epochs=4)
     hook = EvaluationHook(lambda epoch: {"recall_at_1": scores[epoch], "map_at_r": scores[epoch] / 2},
-                          lambda name: saved.append((name, trainer.state.epoch)), every=2, epochs=3, is_main=True,
+                          lambda name: saved.append((name, trainer.state.epoch)), every=2, epochs=3, is_main=lambda: True,
                           gallery=lambda: tmp_path / "gallery.png")
     trainer.register([hook])
     trainer.parts.epochs = 3
@@ -301,7 +301,7 @@ def test_evaluation_records_metrics_and_gallery_and_keeps_the_best(tmp_path):
 def test_other_ranks_evaluate_but_record_nothing():
     calls: list[int] = []
     trainer = make_trainer([EvaluationHook(lambda epoch: calls.append(epoch) or {}, lambda name: None, every=1,
-                                           epochs=2, is_main=False)])
+                                           epochs=2, is_main=lambda: False)])
     trainer.train()
     assert calls == [1, 2] and trainer.storage.records() == []
 
@@ -313,7 +313,7 @@ def test_the_epoch_checkpoint_is_written_before_evaluation():
         raise RuntimeError("evaluation crashed")
 
     trainer = make_trainer([CheckpointHook(lambda name, c: written.append(c["state"]["epoch"]), every=0, max_steps=None),
-                            EvaluationHook(failing_evaluation, lambda name: None, every=1, epochs=2, is_main=True)])
+                            EvaluationHook(failing_evaluation, lambda name: None, every=1, epochs=2, is_main=lambda: True)])
     with pytest.raises(RuntimeError, match="evaluation crashed"):
         trainer.train()
     assert written == [1]  # the finished epoch is saved; a resume starts at epoch 2
@@ -356,15 +356,20 @@ def _logged(path: Path) -> list[tuple[str, int]]:
 
 
 def _elastic_trainer(path: Path, written: list[tuple[int, list]], hooks=(), **kwargs) -> tuple[Trainer, Any, Any]:
-    """A trainer wired as under Horovod elastic (register_commits, commit_every=100); ``written`` gets, per
-    ``last.pt``, its step and the lines metrics.jsonl held when it was handed to the writer."""
-    from pksampler.train.engine.elastic import CommittedMetricsHook, register_commits
+    """A trainer wired as under Horovod elastic (the writer hook first, commits, commit_every=100); ``written``
+    gets, per ``last.pt``, its step and the lines metrics.jsonl held when it was handed to the writer."""
+    from pksampler.train.engine.elastic import CommitHook, Commits
 
+    commits: list[Commits] = []
     checkpoints = CheckpointHook(lambda name, c: written.append((c["state"]["global_step"], _logged(path))),
-                                 every=2, max_steps=kwargs.pop("max_steps", None))
-    trainer = make_trainer([checkpoints, *hooks], **kwargs)
-    state, metrics = InMemoryCommits(trainer), CommittedMetricsHook(path, lambda: True)
-    register_commits(trainer, state, metrics, checkpoints, every=100)
+                                 every=2, max_steps=kwargs.pop("max_steps", None),
+                                 commit=lambda: commits[0].in_memory())
+    metrics = CommittedJSONWriter(path, lambda: True)
+    writers = WriterHook([metrics])
+    trainer = make_trainer([writers, checkpoints, *hooks], **kwargs)
+    state = InMemoryCommits(trainer)
+    commits.append(Commits(state, writers, metrics))
+    trainer.register([CommitHook(commits[0], every=100)])
     return trainer, state, metrics
 
 
@@ -429,7 +434,7 @@ def test_tensorboard_reads_steps_records_and_images_from_the_storage():
                 self.trainer.storage.put_image("eval/gallery", 6, Path("g.png"))
 
     writer = FakeWriter()
-    make_trainer([Evaluate(), TensorBoardHook(writer)]).train()
+    make_trainer([Evaluate(), WriterHook([TensorBoardEventWriter(writer)])]).train()
     assert [c for c in writer.calls if c[0] == "scalars"] == [
         ("scalars", step, ["images_per_sec", "loss", "lr"]) for step in range(1, 7)]
     assert [c for c in writer.calls if c[0] != "scalars"] == [
@@ -447,13 +452,13 @@ class BadImages(Images):
 
 def test_bad_images_are_summed_over_ranks_recorded_and_stop_the_run_past_the_limit():
     backend = FakeBackend(size=2, others=[np.array([1, 24])])
-    trainer = make_trainer([BadImageHook(BadImages(1), backend, max_fraction=0.05, is_main=True)], backend=backend)
+    trainer = make_trainer([BadImageHook(BadImages(1), backend, max_fraction=0.05, is_main=lambda: True)], backend=backend)
     trainer.train()
     assert [(r["epoch"], r["bad"], r["total"]) for r in trainer.storage.records("bad_images")] == [(1, 2, 48), (2, 2, 48)]
     backend = FakeBackend(size=2, others=[np.array([5, 24])])
     with pytest.raises(ConfigError, match=r"data.max_bad_fraction: 5 of 48 images \(10.42%\) could not be decoded in "
                                           r"epoch 1, more than the allowed 5.00%"):
-        make_trainer([BadImageHook(BadImages(0), backend, max_fraction=0.05, is_main=False)], backend=backend).train()
+        make_trainer([BadImageHook(BadImages(0), backend, max_fraction=0.05, is_main=lambda: False)], backend=backend).train()
 
 
 def _triplet_sampler(rank: int) -> DistributedTripletBatchSampler:

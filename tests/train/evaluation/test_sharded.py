@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from pksampler.world import World
 from pksampler.train.evaluation import evaluate_retrieval, recall_standard_error, sharded_retrieval, stratified_queries
 from pksampler.train.evaluation.shard_search import merge_topk, search_shard
 
@@ -294,7 +295,8 @@ def test_a_rank_without_held_out_items_embeds_an_empty_share_of_the_models_dimen
     class ThreadBackend(Backend):
         def __init__(self, group: _Group, rank: int) -> None:
             super().__init__()
-            self.group, self.rank, self.size = group, rank, group.size
+            self.group = group
+            self.set_world(World(rank=rank, size=group.size))
 
         def allgather(self, tensor, sizes=None):
             return torch.cat(self.group.exchange(self.rank, tensor.clone()))

@@ -22,6 +22,7 @@ from pksampler.train.modeling import head_replicas  # noqa: E402
 from pksampler.train.modeling.head_replicas import HeadRowsLost, replica_shift  # noqa: E402
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
 from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD  # noqa: E402
+from pksampler.world import World  # noqa: E402
 
 
 class Rank(Member):
@@ -111,7 +112,8 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
     def second(group):
         _, head, rows, handler = survivors[group.rank]
         head.collectives = group
-        handler.reshard()  # the reset callback; the body assembles (no sync: hosts only left)
+        handler.value.set_world(World(rank=group.rank, size=group.size))  # the trainer's set_world at a reset
+        handler.on_reset()  # the reset callback; the body assembles (no sync: hosts only left)
         handler.ensure_current()
         assert (head.lo, head.hi) == shard_range(C, 2, group.rank)
         losses = head_steps(head, rows, range(3, 5))
@@ -127,7 +129,8 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
         else:
             _, head, rows, handler = then[group.rank]
             head.collectives = group
-            handler.reshard()
+            handler.value.set_world(World(rank=group.rank, size=group.size))
+            handler.on_reset()
         handler.sync()
         return head_steps(head, rows, range(5, 7))
 
@@ -156,7 +159,8 @@ def test_a_range_held_by_no_rank_raises_on_every_rank():
     def second(group):
         head, handler = survivors[group.rank]
         head.collectives = group
-        handler.reshard()
+        handler.value.set_world(World(rank=group.rank, size=group.size))
+        handler.on_reset()
         handler.ensure_current()
 
     errors = run_each(2, second)

@@ -220,13 +220,15 @@ def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_
     """A job started at -np 1 grows later: its rows must then see the global batch."""
     from types import SimpleNamespace
 
+    from pksampler.train.engine.elastic import choose_run_mode
     from pksampler.train.run_setup import _with_head
 
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     config = load_config(None, ["head.name=arcface", "train.gather_embeddings=false"], environ={})
     backend = SimpleNamespace(name="horovod", size=1, rank=0)
+    mode = choose_run_mode(backend, commit_every=config.train.commit_every)
     with pytest.raises(ConfigError, match="a sharded head needs train.gather_embeddings: true"):
-        _with_head(config, backend, data=None, pair=None)
+        _with_head(config, backend, mode, data=None, pair=None)
 
 
 def test_the_checkpoint_loads_with_weights_only(tmp_path):

@@ -11,7 +11,7 @@ from pksampler.train.builders import build_optimizer, build_schedule
 from pksampler.train.engine.checkpoint import load_checkpoint
 from pksampler.train.config.load import ConfigError, load_config
 from pksampler.train.runtime.distributed import Backend
-from pksampler.train.solver.finetune import FreezeBackboneHook
+from pksampler.train.engine.hooks import FreezeBackboneHook
 from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
 from pksampler.train.modeling.model import build_model
 from pksampler.train.run_setup import train

@@ -1,0 +1,56 @@
+"""The world a process trains in: one frozen value of rank, size and local rank.
+
+As in mosaicml/streaming's ``World``, a rank and a world size are held in one
+value that the parts read, never copied into fields that someone else keeps
+up to date. A run reads it once at start (:meth:`World.detect`); when the set
+of ranks changes (a Horovod elastic reset) a new value is read and handed to
+every part that owns a share of the work: ``part.set_world(world)`` (the
+trainer's backend, the sampler, the sharded head's loss). A part never asks
+the runtime on its own.
+
+Example::
+
+    world = World.detect()  # Horovod, torch.distributed, the launcher's environment, else rank 0 of 1
+    sampler.set_world(world)
+    first, count = world.rank, world.size
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["World"]
+
+
+@dataclass(frozen=True)
+class World:
+    """``rank`` of ``size`` ranks; ``local_rank`` among the ranks of this host (it selects the GPU)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "size", "local_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"World({name}=) expects an int, got {value!r} ({type(value).__name__})")
+        if self.size < 1:
+            raise ValueError(f"World(size=) expects a positive int, got {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"World(rank=) must be in [0, {self.size}) for size={self.size}, got {self.rank}")
+        if self.local_rank < 0:
+            raise ValueError(f"World(local_rank=) expects an int >= 0, got {self.local_rank}")
+
+    @classmethod
+    def detect(cls) -> "World":
+        """This process's world now: Horovod, torch.distributed, the launcher's environment, else rank 0 of 1."""
+        from pksampler import comm
+
+        rank, size = comm.world_info()
+        return cls(rank=int(rank), size=int(size), local_rank=int(comm.local_rank()))
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this is rank 0 (the rank that writes the workspace)."""
+        return self.rank == 0
