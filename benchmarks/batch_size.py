@@ -185,6 +185,12 @@ def summarise(arms: list[Arm], args: argparse.Namespace, plans: dict, timings: d
     return rows
 
 
+def _previous_timings(workspace: Path) -> dict:
+    """The wall times an earlier run of this script recorded (``--skip-training``), or none."""
+    path = workspace / "batch_size.json"
+    return json.loads(path.read_text()).get("timings", {}) if path.exists() else {}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=ROOT / "configs" / "folder.yaml")
@@ -206,14 +212,15 @@ def main() -> None:
     samples_per_class = load_config(args.config, [f"data.root={data.resolve()}"], environ={}).sampler.samples_per_class
     arms = parse_arms(args.arms, args.optimizer, samples_per_class)
     plans = {arm.name: arm_overrides(arm, args, data, samples_per_class) for arm in arms}
-    timings = {} if args.skip_training else run_arms(arms, plans, args.config, args.workspace, args.parallel)
+    timings = _previous_timings(args.workspace) if args.skip_training else run_arms(
+        arms, plans, args.config, args.workspace, args.parallel)
     rows = summarise(arms, args, plans, timings)
     print("\n" + table(rows))
     title = (f"typefaces, {args.classes} classes, {args.size} px, {args.epochs} epochs per arm; "
              f"lr {args.lr} at 64 images, optim.scaling auto, warm-up {args.warmup_fraction:.0%} of the run")
     save_png(args.workspace / "batch_size.png", {row["arm"]: row["curve"] for row in rows}, title)
     atomic_write_text(args.workspace / "batch_size.json", json.dumps(
-        {"rows": rows, "arguments": {k: str(v) for k, v in vars(args).items()}, "title": title}, indent=2))
+        {"rows": rows, "timings": timings, "arguments": {k: str(v) for k, v in vars(args).items()}, "title": title}, indent=2))
 
 
 if __name__ == "__main__":
