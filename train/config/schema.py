@@ -26,7 +26,6 @@ G). The same file trains the same global batches at every world size up to G.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
