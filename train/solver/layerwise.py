@@ -11,8 +11,9 @@ Why our own implementation: timm's ``timm.optim.Lamb`` and ``timm.optim.Lars``
 are the well-kept ones, but ``import timm`` imports torchvision, whose wheel
 does not load against the CPU torch this project installs (DESIGN.md,
 "Installing Horovod here"), and timm is a test-only dependency. These classes
-follow timm's update rules line for line (same defaults, same corner cases),
-and ``tests/train/test_large_batch.py`` checks one step against the papers'
+follow timm's update rules and corner cases (the trainer passes every
+hyper-parameter, so the defaults matter little), and
+``tests/train/test_large_batch.py`` checks one step against the papers'
 formulas written out and several steps against timm's own classes.
 
 The rules, for a parameter ``w`` with gradient ``g`` at step ``t``, learning
@@ -28,7 +29,8 @@ Corner cases (as in timm): ``r = 1`` when ``‖w‖ = 0`` or the update is zero
 (a freshly zeroed bias still learns). Tensors with one dimension or none
 (biases, norm scales, GeM's exponent) get neither weight decay nor the trust
 ratio: the practice of SimCLR's LARS and of BERT's LAMB, whose norms say
-little about a step's right size. Neither class clips the gradient norm
+little about a step's right size. (timm decides by the group's weight decay;
+its usual parameter groups give 1-D tensors none, which comes to the same.) Neither class clips the gradient norm
 (timm's ``Lamb`` does by default; here that is a separate option of the trainer).
 
 Example::
