@@ -46,6 +46,12 @@ def _names(module: str, attribute: str) -> Callable[[], Iterable[str]]:
     return provide
 
 
+def _check_effective_lr(value: Any) -> None:
+    from pksampler.train.solver.build import check_learning_rate
+
+    check_learning_rate(value)
+
+
 def _check_augment(value: Any) -> None:
     from pksampler.datasets import BatchAugment
 
@@ -56,6 +62,7 @@ for _kind, _module, _attribute in (
     ("data", "pksampler.train.builders", "DATA_SOURCES"),
     ("sampler", "pksampler.train.builders", "SAMPLERS"),
     ("optimizer", "pksampler.train.solver.build", "OPTIMIZERS"),
+    ("lr_scaling", "pksampler.train.solver.build", "SCALING_RULES"),
     ("norm", "pksampler.train.modeling.model", "NORM_CHOICES"),
     ("backbone", "pksampler.train.modeling.model", "BACKBONES"),
     ("pooling", "pksampler.train.modeling.model", "POOLINGS"),
@@ -65,6 +72,7 @@ for _kind, _module, _attribute in (
 ):
     _choices.register(_kind, _names(_module, _attribute))
 _choices.register_check("augment", _check_augment)
+_choices.register_check("effective_lr", _check_effective_lr)
 _choices.register_arguments("data", _names("pksampler.train.builders", "DATA_ARGS"))
 _choices.register_arguments("sampler", _names("pksampler.train.builders", "SAMPLER_ARGS"))
 

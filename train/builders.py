@@ -34,7 +34,7 @@ from pksampler.samplers import (
     rank_share,
 )
 
-from pksampler.train.solver.build import build_optimizer, build_schedule
+from pksampler.train.solver.build import build_optimizer, build_schedule, warmup_length
 from pksampler.train.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
@@ -53,6 +53,7 @@ __all__ = [
     "build_schedule",
     "eval_size",
     "per_rank_share",
+    "warmup_length",
 ]
 
 

@@ -35,7 +35,8 @@ from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
 from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible
-from pksampler.train.builders import DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of
+from pksampler.train.builders import (DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of,
+                                      warmup_length)
 from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
                                               load_checkpoint)
 from pksampler.train.engine.datacheck import IndexDigestHook
@@ -171,7 +172,7 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
     total_steps = epochs * steps_per_epoch
     return StepParts(
         backend=backend, model=model, train_model=train_model, optimizer=optimizer,
-        scheduler=build_schedule(optimizer, config.optim.warmup_steps, total_steps), loss_fn=loss_fn,
+        scheduler=build_schedule(optimizer, warmup_length(config.optim, total_steps), total_steps), loss_fn=loss_fn,
         sampler=sampler, train_set=data.train, epochs=epochs, global_batch=global_batch,
         workers=config.data.workers, gather=config.train.gather_embeddings, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,

@@ -26,7 +26,6 @@ G). The same file trains the same global batches at every world size up to G.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -186,10 +185,14 @@ class HeadConfig:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """AdamW or SGD. ``lr`` is for ``base_batch`` images per global step; the
-    effective rate scales linearly with the global batch, after a linear
-    warm-up, then cosine decay. ``backbone_lr_scale``: the backbone's
-    parameters learn at ``lr * backbone_lr_scale`` (the head at ``lr``)."""
+    """AdamW, SGD, LAMB or LARS. ``lr`` is for ``base_batch`` images per global
+    step; ``scaling`` moves it to the global batch: ``linear`` (lr x batch /
+    base_batch, Goyal et al., for SGD and LARS), ``sqrt`` (lr x sqrt(batch /
+    base_batch), Malladi et al., for AdamW and LAMB), ``none`` (lr as given),
+    ``auto`` (the optimizer's own rule). A linear warm-up of ``warmup_steps``
+    steps, or of ``warmup_fraction`` of the run when that is set, then cosine
+    decay. ``backbone_lr_scale``: the backbone's parameters learn at ``lr *
+    backbone_lr_scale`` (the head at ``lr``)."""
 
     name: str = _rule("adamw", rules.choice(lambda: _registry("optimizer")))
     lr: float = _rule(0.004, rules.positive_finite)
@@ -197,6 +200,10 @@ class OptimConfig:
     weight_decay: float = _rule(0.0005, rules.non_negative_finite)
     momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
     warmup_steps: int = _rule(30, rules.int_at_least(0))
+    # the warm-up as a share of the run's steps (Goyal et al.: 5 of 90 epochs); set, it replaces warmup_steps
+    warmup_fraction: float | None = _rule(None, rules.optional(rules.closed_interval(0.0, 1.0)))
+    # how lr follows the global batch from base_batch: auto (the optimizer's rule) | linear | sqrt | none
+    scaling: str = _rule("auto", rules.choice(lambda: _registry("lr_scaling")))
     backbone_lr_scale: float = _rule(1.0, rules.non_negative_finite)  # backbone group at lr * scale
 
 
@@ -347,10 +354,10 @@ def local_keys() -> frozenset[str]:
 
 
 def _check_effective_lr(config: RunConfig) -> None:
-    """The rate the optimizer gets, ``optim.lr x images per step / optim.base_batch``, must be a finite number."""
-    sampler, optim = config.sampler, config.optim
+    """The rate the optimizer gets, ``optim.lr`` moved to the images per step by ``optim.scaling``, must be finite."""
+    sampler = config.sampler
     images = 3 * sampler.triplets_per_step if sampler.name == "triplet" else sampler.classes_per_step * sampler.samples_per_class
-    effective = optim.lr * images / optim.base_batch
-    if not math.isfinite(effective):
-        raise ConfigError(f"optim.lr: {optim.lr!r} x {images} images per step / optim.base_batch={optim.base_batch} "
-                          f"gives the learning rate {effective}, which is not a finite number; lower optim.lr")
+    try:
+        choices.check("effective_lr", (config.optim, images))  # the rule per optimizer is the solver's
+    except ValueError as error:
+        raise ConfigError(str(error)) from None

@@ -54,7 +54,7 @@ def test_backbone_lr_scale_makes_two_groups_that_the_schedule_scales_together():
     assert {names.get(id(p), "loss") for p in head["params"]} == {"pool.gem.p", "head.weight", "head.bias",
                                                                    "neck.weight", "neck.bias", "loss"}
     assert len(head["params"]) + len(backbone["params"]) == len(list(model.parameters())) + 1
-    assert head["lr"] == pytest.approx(0.003 * 24 / 12) and backbone["lr"] == pytest.approx(0.1 * head["lr"])
+    assert head["lr"] == pytest.approx(0.003 * (24 / 12) ** 0.5) and backbone["lr"] == pytest.approx(0.1 * head["lr"])
     schedule = build_schedule(optimizer, warmup_steps=3, total_steps=10)
     for _ in range(9):
         optimizer.step()
