@@ -234,8 +234,13 @@ class ProgressWriter(EventWriter):
         self.progress.start_epoch(epoch, step=step)
 
     def write_step(self, record: dict[str, Any]) -> None:
+        """The step on the display; the epoch's last step also closes it, so the hooks that run before the writer
+        hook at the epoch's end (evaluation, bad images, object store) print below a finished bar, as when the
+        progress display was the first hook."""
         self.progress.update(record["step"], loss=record.get("loss"), images_per_sec=record.get("images_per_sec"),
                              lr=record.get("lr"))
+        if record["step"] >= self.progress.steps_per_epoch:
+            self.progress.end_epoch()
 
     def end_epoch(self) -> None:
         self.progress.end_epoch()

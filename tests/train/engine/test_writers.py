@@ -149,3 +149,35 @@ def test_a_change_of_world_drops_the_held_lines_of_the_rolled_back_steps(tmp_pat
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["global_step"] for line in lines] == [1]
     assert seen.calls[-1] == ("world",)
+
+
+def test_the_progress_bar_is_closed_before_the_epoch_hooks_print_their_lines():
+    """The writer hook is registered after the evaluation (static runs): the epoch's bar must not be still open
+    while the hooks before it print their results (the old progress hook ran first), or a line lands on the bar."""
+    import io
+
+    from pksampler.train.engine.hooks import HookBase
+    from pksampler.train.engine.progress import Progress
+    from pksampler.train.engine.writers import ProgressWriter
+
+    stream = io.StringIO()
+    progress = Progress(3, 1, interactive=True, stream=stream)
+
+    class Evaluation(HookBase):
+        def after_epoch(self) -> None:
+            stream.write("[pksampler] epoch 0: recall_at_1=0.5\n")
+
+    evaluation, writers = Evaluation(), _hook([ProgressWriter(progress)])
+    storage = writers.trainer.storage
+    for hook in (evaluation, writers):
+        hook.before_epoch()
+    for step in (1, 2, 3):
+        storage.put_step(epoch=0, step=step, global_step=step, loss=0.5, lr=0.1, images_per_sec=10.0,
+                         global_batch=8, time=0.0)
+        for hook in (evaluation, writers):
+            hook.after_step()
+    for hook in (evaluation, writers):
+        hook.after_epoch()
+    text = stream.getvalue()
+    assert "3/3" in text.split("[pksampler] epoch 0")[0]  # the bar finished and closed before the line
+    assert text.rstrip("\n").endswith("recall_at_1=0.5")  # nothing of the bar drawn after it
