@@ -283,3 +283,8 @@ class OnMainRankWriter(EventWriter):
     def close(self) -> None:
         if (writer := self._target()) is not None:
             writer.close()
+
+    def on_world_change(self) -> None:
+        """The writer built so far hears of it, whichever rank this process is now; none is built for it."""
+        if self.writer is not None:
+            self.writer.on_world_change()

@@ -181,3 +181,23 @@ def test_the_progress_bar_is_closed_before_the_epoch_hooks_print_their_lines():
     text = stream.getvalue()
     assert "3/3" in text.split("[pksampler] epoch 0")[0]  # the bar finished and closed before the line
     assert text.rstrip("\n").endswith("recall_at_1=0.5")  # nothing of the bar drawn after it
+
+
+def test_a_main_rank_writer_is_told_of_a_change_of_world_once_built():
+    """The world protocol reaches a writer held for the main rank: the wrapper forwards ``on_world_change`` to the
+    writer it built (whichever rank this process is now), and builds none for it."""
+    built: list[Recording] = []
+
+    def build() -> Recording:
+        built.append(Recording())
+        return built[-1]
+
+    main = [False]
+    hook = _hook([OnMainRankWriter(build, lambda: main[0])])
+    hook.on_world_change()
+    assert built == []  # nothing built for a change of world
+    main[0] = True
+    _epoch(hook, range(1, 2))
+    main[0] = False  # a reset: this process is not rank 0 any more, its writer still hears of it
+    hook.on_world_change()
+    assert built[0].calls[-1] == ("world",)
