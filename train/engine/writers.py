@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pksampler.train.engine.trainer import HookBase
-from pksampler.train.runtime.workspace import EventLog
+from pksampler.train.runtime.workspace import EventLog, json_line
 
 __all__ = ["CommittedJSONWriter", "EventWriter", "JSONWriter", "OnMainRankWriter", "ProgressWriter",
            "TensorBoardEventWriter", "WriterHook"]
@@ -144,10 +144,10 @@ class CommittedJSONWriter(EventWriter):
         self.flushed: list[str] = []
 
     def write_step(self, record: dict[str, Any]) -> None:
-        self.pending.append(json.dumps(record))
+        self.pending.append(json_line(record))
 
     def write_records(self, records: list[dict[str, Any]], images: list[Image]) -> None:
-        self.pending.extend(json.dumps(record) for record in records)
+        self.pending.extend(json_line(record) for record in records)
 
     def commit(self) -> None:
         """The held lines are final: rank 0 appends them (one write); every rank remembers them."""

@@ -201,3 +201,23 @@ def test_a_main_rank_writer_is_told_of_a_change_of_world_once_built():
     main[0] = False  # a reset: this process is not rank 0 any more, its writer still hears of it
     hook.on_world_change()
     assert built[0].calls[-1] == ("world",)
+
+
+def test_the_committed_json_writer_writes_non_finite_numbers_as_the_direct_one(tmp_path):
+    """NaN and infinities (a diverging loss, an empty evaluation's mean) are strings in both writers' lines: JSON
+    has no such numbers, and a strict reader of the elastic run's metrics.jsonl must parse it too."""
+    direct_log = EventLog(tmp_path / "direct.jsonl", True)
+    committed = CommittedJSONWriter(tmp_path / "committed.jsonl", lambda: True)
+    hook = _hook([JSONWriter(direct_log), committed])
+    hook.before_train()
+    _epoch(hook, range(1, 2), record=dict(kind="eval", epoch=1, global_step=1, recall_at_1=float("nan"),
+                                          map_at_r=float("inf")))
+    committed.commit()
+    direct_log.close()
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    read = [[json.loads(line, parse_constant=strict) for line in (tmp_path / name).read_text().splitlines()]
+            for name in ("direct.jsonl", "committed.jsonl")]
+    assert read[0] == read[1] and read[1][-1]["recall_at_1"] == "nan" and read[1][-1]["map_at_r"] == "inf"
