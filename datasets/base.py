@@ -91,6 +91,9 @@ class LabelledDataset(Dataset):
     store: Any = None
     #: whether :meth:`verify` checks anything (digests recorded when the data was packed)
     verifiable: bool = False
+    #: the shard of every sample, for ``locality="shard"`` samplers; None for data not stored in shards (a class
+    #: attribute, not a property: a subclass may assign ``self.shard_ids`` as datasets did before this default)
+    shard_ids: np.ndarray | None = None
 
     def __init__(self, transform: Callable | None = None, *, seed: int = 0, on_bad: str = "replace") -> None:
         self.transform = transform
@@ -194,11 +197,6 @@ class LabelledDataset(Dataset):
 
     def prefetch(self, indices: Sequence[int]) -> None:
         """Read the bytes of ``indices`` ahead (a batch, before its samples are loaded); local data: nothing to do."""
-
-    @property
-    def shard_ids(self) -> np.ndarray | None:
-        """The shard of every sample, for ``locality="shard"`` samplers; None for data not stored in shards."""
-        return None
 
     def verify(self, *, index: bool = True, shards: bool = True) -> None:
         """Check the data against the digests recorded when it was packed; nothing to check here (see

@@ -103,6 +103,9 @@ class StepPlanSampler:
         """
         owner = f"{self._owner}.set_world"
         if isinstance(num_replicas, World):
+            if rank is not None:
+                raise TypeError(f"{owner}(rank=) must be None when num_replicas is a World (it holds the rank), "
+                                f"got rank={rank!r}")
             num_replicas, rank = num_replicas.size, num_replicas.rank
         self._detected_world = num_replicas is None or rank is None
         num_replicas, rank = resolve_world(num_replicas, rank, owner=owner)

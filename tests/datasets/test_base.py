@@ -184,3 +184,19 @@ def test_subset_indices_follow_the_parent_rule():
         subset[-4]
     with pytest.raises(IndexError):
         dataset[len(dataset)]
+
+
+class _ShardsAsAttribute(SyntheticProducts):
+    """A user's dataset written before the capability defaults: it stores its shard ids as a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 4, image_size=16)
+        self.shard_ids = np.arange(len(self), dtype=np.int64) // 4
+
+
+def test_a_dataset_that_assigns_its_shard_ids_keeps_working():
+    dataset = _ShardsAsAttribute()  # the base's default must not be a read-only property
+    assert shard_ids_of(dataset).tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    subset = LabelledSubset(dataset, [9, 2])
+    assert shard_ids_of(subset).tolist() == [2, 0]
+    assert SyntheticProducts(3, 4, image_size=16).shard_ids is None  # the default is unchanged

@@ -285,3 +285,17 @@ def test_set_world_moves_a_running_sampler_to_another_world_size(build):
         moved.set_world(9, 0)
     with pytest.raises(ValueError, match=r"set_world\(rank=\) must be in the interval \[0, 2\]"):
         moved.set_world(3, 3)
+
+
+def test_set_world_with_a_world_and_a_rank_is_refused_naming_the_rule():
+    """``set_world(world)`` or ``set_world(num_replicas, rank)``: a World with a rank beside it is ambiguous."""
+    from pksampler.world import World
+
+    sampler = DistributedBalancedBatchSampler(np.arange(240) % 24, samples_per_class=2, classes_per_step=8,
+                                              num_replicas=2, rank=0, seed=6)
+    with pytest.raises(TypeError, match=r"DistributedBalancedBatchSampler\.set_world\(rank=\) must be None when "
+                                        r"num_replicas is a World.*got rank=0"):
+        sampler.set_world(World(rank=1, size=4), 0)
+    assert (sampler.num_replicas, sampler.rank) == (2, 0)  # unchanged
+    sampler.set_world(World(rank=1, size=4))
+    assert (sampler.num_replicas, sampler.rank) == (4, 1)

@@ -85,6 +85,11 @@ class OnMainRank(HookBase):
     def after_train(self) -> None:
         self._forward("after_train")
 
+    def on_world_change(self) -> None:
+        """The hook built so far hears of it, whichever rank this process is now; none is built for it."""
+        if self.hook is not None:
+            self.hook.on_world_change()
+
 
 class CheckpointHook(HookBase):
     """``last.pt`` every ``every`` steps, at ``max_steps`` (then stop) and after each epoch.

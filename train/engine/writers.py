@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from pksampler.train.engine.trainer import HookBase
-from pksampler.train.runtime.workspace import EventLog
+from pksampler.train.runtime.workspace import EventLog, json_line
 
 __all__ = ["CommittedJSONWriter", "EventWriter", "JSONWriter", "OnMainRankWriter", "ProgressWriter",
            "TensorBoardEventWriter", "WriterHook"]
@@ -144,10 +144,10 @@ class CommittedJSONWriter(EventWriter):
         self.flushed: list[str] = []
 
     def write_step(self, record: dict[str, Any]) -> None:
-        self.pending.append(json.dumps(record))
+        self.pending.append(json_line(record))
 
     def write_records(self, records: list[dict[str, Any]], images: list[Image]) -> None:
-        self.pending.extend(json.dumps(record) for record in records)
+        self.pending.extend(json_line(record) for record in records)
 
     def commit(self) -> None:
         """The held lines are final: rank 0 appends them (one write); every rank remembers them."""
@@ -234,8 +234,13 @@ class ProgressWriter(EventWriter):
         self.progress.start_epoch(epoch, step=step)
 
     def write_step(self, record: dict[str, Any]) -> None:
+        """The step on the display; the epoch's last step also closes it, so the hooks that run before the writer
+        hook at the epoch's end (evaluation, bad images, object store) print below a finished bar, as when the
+        progress display was the first hook."""
         self.progress.update(record["step"], loss=record.get("loss"), images_per_sec=record.get("images_per_sec"),
                              lr=record.get("lr"))
+        if record["step"] >= self.progress.steps_per_epoch:
+            self.progress.end_epoch()
 
     def end_epoch(self) -> None:
         self.progress.end_epoch()
@@ -278,3 +283,8 @@ class OnMainRankWriter(EventWriter):
     def close(self) -> None:
         if (writer := self._target()) is not None:
             writer.close()
+
+    def on_world_change(self) -> None:
+        """The writer built so far hears of it, whichever rank this process is now; none is built for it."""
+        if self.writer is not None:
+            self.writer.on_world_change()

@@ -26,7 +26,7 @@ from pksampler.files import atomic_write_text, lock_exclusively, remove_stale_te
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["EventLog", "WorkspaceLock", "prepare_workspace", "writing"]
+__all__ = ["EventLog", "WorkspaceLock", "json_line", "prepare_workspace", "writing"]
 
 SUBFOLDERS = ("checkpoints", "galleries")
 
@@ -98,6 +98,12 @@ def _json_number(value: Any) -> Any:
     return value
 
 
+def json_line(record: dict[str, Any]) -> str:
+    """One metrics.jsonl line of ``record`` (no newline); NaN and infinities become the strings "nan", "inf",
+    "-inf" (JSON has no such numbers). Every writer of the log writes its lines with this."""
+    return json.dumps({k: _json_number(v) for k, v in record.items()}, allow_nan=False)
+
+
 class EventLog:
     """Rank-0 ``metrics.jsonl`` writer: one JSON object per line, flushed per line."""
 
@@ -108,7 +114,7 @@ class EventLog:
     def write(self, **record: Any) -> None:
         """Append ``record``; NaN and infinities become the strings "nan", "inf", "-inf" (JSON has no such numbers)."""
         if self.handle is not None:
-            self.handle.write(json.dumps({k: _json_number(v) for k, v in record.items()}, allow_nan=False) + "\n")
+            self.handle.write(json_line(record) + "\n")
             self.handle.flush()
 
     def truncate_after(self, global_step: int) -> None:

@@ -555,3 +555,27 @@ def test_the_storage_keeps_series_compact_and_records_in_order():
     assert [r["type"] for r in new] == ["eval"] and storage.records_since(cursor) == ([], 1)
     with pytest.raises(ValueError, match=r"put_step\(\) needs global_step="):
         storage.put_step(loss=1.0)
+
+
+def test_a_main_rank_hook_is_told_of_a_change_of_world_once_built():
+    """``OnMainRank`` forwards the world protocol's ``on_world_change`` to the hook it built, and builds none."""
+    from pksampler.train.engine.trainer import HookBase
+
+    class Told(HookBase):
+        def __init__(self) -> None:
+            self.changes = 0
+
+        def on_world_change(self) -> None:
+            self.changes += 1
+
+    built: list[Told] = []
+    main = [False]
+    wrapper = OnMainRank(lambda: built.append(Told()) or built[-1], lambda: main[0])
+    wrapper.trainer = None
+    wrapper.on_world_change()
+    assert built == []
+    main[0] = True
+    wrapper.before_train()
+    main[0] = False
+    wrapper.on_world_change()
+    assert built[0].changes == 1

@@ -149,3 +149,75 @@ def test_a_change_of_world_drops_the_held_lines_of_the_rolled_back_steps(tmp_pat
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["global_step"] for line in lines] == [1]
     assert seen.calls[-1] == ("world",)
+
+
+def test_the_progress_bar_is_closed_before_the_epoch_hooks_print_their_lines():
+    """The writer hook is registered after the evaluation (static runs): the epoch's bar must not be still open
+    while the hooks before it print their results (the old progress hook ran first), or a line lands on the bar."""
+    import io
+
+    from pksampler.train.engine.hooks import HookBase
+    from pksampler.train.engine.progress import Progress
+    from pksampler.train.engine.writers import ProgressWriter
+
+    stream = io.StringIO()
+    progress = Progress(3, 1, interactive=True, stream=stream)
+
+    class Evaluation(HookBase):
+        def after_epoch(self) -> None:
+            stream.write("[pksampler] epoch 0: recall_at_1=0.5\n")
+
+    evaluation, writers = Evaluation(), _hook([ProgressWriter(progress)])
+    storage = writers.trainer.storage
+    for hook in (evaluation, writers):
+        hook.before_epoch()
+    for step in (1, 2, 3):
+        storage.put_step(epoch=0, step=step, global_step=step, loss=0.5, lr=0.1, images_per_sec=10.0,
+                         global_batch=8, time=0.0)
+        for hook in (evaluation, writers):
+            hook.after_step()
+    for hook in (evaluation, writers):
+        hook.after_epoch()
+    text = stream.getvalue()
+    assert "3/3" in text.split("[pksampler] epoch 0")[0]  # the bar finished and closed before the line
+    assert text.rstrip("\n").endswith("recall_at_1=0.5")  # nothing of the bar drawn after it
+
+
+def test_a_main_rank_writer_is_told_of_a_change_of_world_once_built():
+    """The world protocol reaches a writer held for the main rank: the wrapper forwards ``on_world_change`` to the
+    writer it built (whichever rank this process is now), and builds none for it."""
+    built: list[Recording] = []
+
+    def build() -> Recording:
+        built.append(Recording())
+        return built[-1]
+
+    main = [False]
+    hook = _hook([OnMainRankWriter(build, lambda: main[0])])
+    hook.on_world_change()
+    assert built == []  # nothing built for a change of world
+    main[0] = True
+    _epoch(hook, range(1, 2))
+    main[0] = False  # a reset: this process is not rank 0 any more, its writer still hears of it
+    hook.on_world_change()
+    assert built[0].calls[-1] == ("world",)
+
+
+def test_the_committed_json_writer_writes_non_finite_numbers_as_the_direct_one(tmp_path):
+    """NaN and infinities (a diverging loss, an empty evaluation's mean) are strings in both writers' lines: JSON
+    has no such numbers, and a strict reader of the elastic run's metrics.jsonl must parse it too."""
+    direct_log = EventLog(tmp_path / "direct.jsonl", True)
+    committed = CommittedJSONWriter(tmp_path / "committed.jsonl", lambda: True)
+    hook = _hook([JSONWriter(direct_log), committed])
+    hook.before_train()
+    _epoch(hook, range(1, 2), record=dict(kind="eval", epoch=1, global_step=1, recall_at_1=float("nan"),
+                                          map_at_r=float("inf")))
+    committed.commit()
+    direct_log.close()
+
+    def strict(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    read = [[json.loads(line, parse_constant=strict) for line in (tmp_path / name).read_text().splitlines()]
+            for name in ("direct.jsonl", "committed.jsonl")]
+    assert read[0] == read[1] and read[1][-1]["recall_at_1"] == "nan" and read[1][-1]["map_at_r"] == "inf"
