@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["World"]
 
 
@@ -33,8 +35,9 @@ class World:
     def __post_init__(self) -> None:
         for name in ("rank", "size", "local_rank"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"World({name}=) expects an int, got {value!r} ({type(value).__name__})")
+            object.__setattr__(self, name, int(value))  # numpy ints (a launcher's arrays) become ints
         if self.size < 1:
             raise ValueError(f"World(size=) expects a positive int, got {self.size}")
         if not 0 <= self.rank < self.size:

@@ -44,6 +44,13 @@ def test_a_bad_world_is_refused_naming_the_argument_the_value_and_the_rule(kwarg
         World(size=True)
 
 
+def test_numpy_integers_are_taken_as_ints():
+    world = World(rank=np.int64(1), size=np.int32(2), local_rank=np.int64(0))
+    assert world == World(1, 2, 0) and type(world.rank) is int and type(world.size) is int
+    with pytest.raises(TypeError, match=r"World\(rank=\) expects an int, got 1.0"):
+        World(rank=np.float64(1.0), size=2)
+
+
 def test_the_world_is_read_from_the_launcher_and_is_frozen(monkeypatch):
     for names in (("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK"),
                   ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
