@@ -47,7 +47,7 @@ def test_a_bad_world_is_refused_naming_the_argument_the_value_and_the_rule(kwarg
 def test_numpy_integers_are_taken_as_ints():
     world = World(rank=np.int64(1), size=np.int32(2), local_rank=np.int64(0))
     assert world == World(1, 2, 0) and type(world.rank) is int and type(world.size) is int
-    with pytest.raises(TypeError, match=r"World\(rank=\) expects an int, got 1.0"):
+    with pytest.raises(TypeError, match=r"World\(rank=\) expects an int, got .*1\.0.*float64"):
         World(rank=np.float64(1.0), size=2)
 
 
