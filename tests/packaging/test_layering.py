@@ -11,8 +11,8 @@ Layers:
 * library: ``pksampler`` (core), ``pksampler.samplers``, ``pksampler.datasets``;
   never imports ``pksampler.train``;
 * the trainer's sub-packages, each importing only those below it
-  (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling``, ``losses``,
-  ``runtime`` < ``evaluation`` < ``engine`` < ``solver``;
+  (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling`` < ``losses`` (the head's
+  loss builds its head), ``runtime`` < ``evaluation`` < ``engine`` < ``solver``;
 * application: ``train/run_setup.py`` (``train``/``main``), the builders, the
   registry of choices in the package's ``__init__`` and the script, on top;
 * the catalogue (``train/catalogue/``: export, embed, index, query, and its
@@ -48,7 +48,7 @@ ALLOWED = {
     "errors": set(),
     "config": {"errors"},
     "modeling": {"errors", "config"},
-    "losses": {"errors", "config"},
+    "losses": {"errors", "config", "modeling"},
     "runtime": {"errors", "config"},
     "evaluation": {"errors", "config", "runtime"},
     "engine": {"errors", "config", "runtime", "losses", "modeling", "evaluation"},
