@@ -407,7 +407,8 @@ def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
     for world in (2, 3):
         for trace, rank_scale in run_ranks(world, work):
             assert np.allclose(trace, reference, rtol=1e-6, atol=0), (world, trace, reference)
-            assert torch.allclose(rank_scale, scale, rtol=1e-6, atol=1e-7)
+            # the small rows take large steps and the scale moves far from 1 (to 7): fp32 sums in another order
+            assert torch.allclose(rank_scale, scale, rtol=1e-5, atol=1e-7)
 
 
 # --- loss.weight: the pair loss against the head; 0 trains the head alone ---------------------------------------------
