@@ -2,7 +2,8 @@
 
 Rank r of W holds a contiguous range of the global class ids (⌈C/W⌉ rows for
 the first C mod W ranks, ⌊C/W⌋ after: :func:`shard_range`), each row a
-normalised class centre (or ``subcentres`` of them, sub-centre ArcFace). A
+class centre (or ``subcentres`` of them, sub-centre ArcFace), small at the
+start (:data:`INIT_STD`) and normalised only in the forward pass. A
 step's loss is a margin softmax over a sampled set of classes:
 
 * the step's positives (every class of the gathered global batch) always;
@@ -11,7 +12,9 @@ step's loss is a margin softmax over a sampled set of classes:
   bit, at every world size: each rank evaluates the hash for its own rows.
 
 Logits are ``scale * cos`` in fp32 with the margin on the target
-(``arcface``: cos(θ + m), ``cosface``: cos θ − m, ``softmax``: none). The
+(``arcface``: cos(θ + m), ``cosface``: cos θ − m, ``softmax``: none), the
+margin 0 for ``softmax_steps`` and then ramped in; the scale defaults to
+AdaCos's √2·ln(C − 1), bounded (:func:`derived_scale`). The
 softmax needs no max all-reduce: logits lie in [−scale, scale], so
 ``exp(logit − scale)`` never overflows; the sum of exponentials and the target
 logit are summed over ranks in fp64, once per step. Every rank then holds the
