@@ -12,7 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_sharded_head import Member, ThreadGroup, run_ranks  # noqa: E402
+from test_sharded_head import run_ranks  # noqa: E402
 
 from pksampler.train.engine.plots import curves_figure  # noqa: E402
 from pksampler.train.engine.stall import HeadStallHook  # noqa: E402
