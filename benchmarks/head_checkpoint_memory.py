@@ -37,13 +37,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from torch.nn import functional as F
 
-    from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
+    from pksampler.train.modeling.sharded_head import ShardedMarginHead
     from pksampler.train.runtime.distributed import HorovodBackend
-    from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
+    from pksampler.train.losses.headed import HeadedLoss
+    from pksampler.train.solver.sparse_rows import SparseRowSGD
 
     torch.set_num_threads(1)
     backend = HorovodBackend("cpu", "fp32")
-    head = ShardedMarginHead(args.classes, 128, HeadSpec(negatives=8192), backend, seed=0)
+    head = ShardedMarginHead(args.classes, 128, backend, negatives=8192, seed=0)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=5e-4)
     loss_fn = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0, pair_weight=0.0)
     generator = torch.Generator().manual_seed(backend.rank)

@@ -38,14 +38,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     from torch.nn import functional as F
 
-    from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
+    from pksampler.train.modeling.sharded_head import ShardedMarginHead
     from pksampler.train.runtime.distributed import HorovodBackend
     from pksampler.train.solver.sparse_rows import SparseRowSGD
 
     torch.set_num_threads(1)
     backend = HorovodBackend("cpu", "fp32")
-    spec = HeadSpec(name="arcface", scale=30.0, margin=0.3, negatives=8192)
-    head = ShardedMarginHead(args.classes, 128, spec, backend, seed=0)
+    spec = dict(name="arcface", scale=30.0, margin=0.3, negatives=8192)
+    head = ShardedMarginHead(args.classes, 128, backend, **spec, seed=0)
     if args.mode == "sparse":
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=5e-4)
         update = rows.step

@@ -43,6 +43,8 @@ from pksampler.train.engine.datacheck import IndexDigestHook
 from pksampler.train.runtime.device import make_deterministic
 from pksampler.train.runtime.distributed import Backend, make_backend
 from pksampler.train.engine.events import EventStorage
+from pksampler.train.engine.stall import HeadStallHook
+from pksampler.train.evaluation.collapse import COLLAPSE_KEYS
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
 from pksampler.train.engine.hooks import (
     ObjectStoreHook,
@@ -68,9 +70,8 @@ from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import choose_run_mode
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
-from pksampler.train.modeling.bnneck import BNNeck
-from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead
-from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
+from pksampler.train.losses.headed import HeadedLoss
+from pksampler.train.solver.sparse_rows import SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState, replay_history
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
 
@@ -152,11 +153,12 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
     except (ValueError, TypeError, ImportError) as error:
         raise ConfigError(str(error)) from None
     row_optimizers, shared = (), ()
-    if config.loss.weight != 1 and config.head.name is None:
-        raise ConfigError(f"loss.weight: {config.loss.weight!r} weighs the pair loss against the head's, and there is "
-                          "no head (head.name: null): leave it at 1, or set head.name (arcface, cosface, softmax)")
     if config.head.name is not None:
-        loss_fn = _with_head(config, backend, mode, data, loss_fn)
+        loss_fn = HeadedLoss.from_config(
+            config, backend, loss_fn, num_classes=int(np.asarray(data.dataset.labels).max()) + 1,
+            global_batch=global_batch, row_optimizer=SparseRowSGD,
+            grad_divisor=backend.gathered_loss_scale if backend.size > 1 else 1.0,
+            gathered=config.train.gather_embeddings, local_ranks=_local_ranks(), elastic=mode.keeps_commits)
         row_optimizers, shared = (loss_fn.row_optimizer,), (loss_fn,)  # the head's rows: a share of the world
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
@@ -177,30 +179,8 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
         workers=config.data.workers, gather=config.train.gather_embeddings, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
-        row_optimizers=row_optimizers, shared=shared,
+        row_optimizers=row_optimizers, shared=shared, clip_grad_norm=config.optim.clip_grad_norm,
     )
-
-
-def _with_head(config: RunConfig, backend: Backend, mode: RunMode, data: DataParts, pair: Any) -> HeadedLoss:
-    """The pair loss plus the row-sharded margin head of ``head:`` (its rows: this rank's range of the classes)."""
-    head = config.head
-    if config.train.backward_passes_per_step != 1:
-        raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
-                          f"for batches larger than memory), got {config.train.backward_passes_per_step}")
-    if (backend.size > 1 or mode.world_may_change) and not config.train.gather_embeddings:
-        raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see the "
-                          "global batch)")
-    num_classes = int(np.asarray(data.dataset.labels).max()) + 1
-    spec = HeadSpec(name=head.name, scale=head.scale, margin=head.margin, negatives=head.negatives,
-                    subcentres=head.subcentres, weight=head.weight)
-    module = ShardedMarginHead(num_classes, config.model.embedding_dim, spec, backend, seed=config.seed,
-                               local_ranks=_local_ranks(), elastic=mode.keeps_commits,
-                               agree_memory=not mode.keeps_commits)
-    divisor = backend.gathered_loss_scale if backend.size > 1 else 1.0
-    rows = SparseRowSGD(module, momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
-                        grad_divisor=divisor, lr_scale=head.lr_scale)
-    neck = BNNeck(config.model.embedding_dim, grad_divisor=divisor) if head.bnneck else None
-    return HeadedLoss(pair, module, rows, weight=head.weight, neck=neck, pair_weight=config.loss.weight)
 
 
 def _local_ranks() -> int:
@@ -268,6 +248,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
                               is_main=mode.is_main))
     if data.dataset.verifiable:  # shard sets: the full index digest, once per host
         hooks.append(IndexDigestHook(data.dataset, backend))
+    if isinstance(parts.loss_fn, HeadedLoss):
+        hooks += mode.main_only([lambda: HeadStallHook(lambda: parts.loss_fn.last_head_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     hooks += [
@@ -313,7 +295,8 @@ def _save_curves(path: Path, storage: EventStorage) -> None:
     steps, losses = storage.series("loss")
     evaluations = storage.records("eval")
     save_curves_png(path, steps, losses, [r["epoch"] for r in evaluations], [r["recall_at_1"] for r in evaluations],
-                    [r.get("map_at_r", float("nan")) for r in evaluations])
+                    [r.get("map_at_r", float("nan")) for r in evaluations],
+                    collapse={key: [r.get(key, float("nan")) for r in evaluations] for key in COLLAPSE_KEYS})
 
 
 def _embed_training_set(parts: StepParts, data: DataParts, image_size: int) -> tuple[np.ndarray, np.ndarray]:

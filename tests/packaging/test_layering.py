@@ -11,9 +11,9 @@ Layers:
 * library: ``pksampler`` (core), ``pksampler.samplers``, ``pksampler.datasets``;
   never imports ``pksampler.train``;
 * the trainer's sub-packages, each importing only those below it
-  (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling``, ``losses``,
-  ``runtime`` < ``solver``, ``evaluation`` < ``engine`` (its ``elastic``
-  package included); ``solver`` is a leaf under ``engine``, as in detectron2
+  (:data:`ALLOWED`): ``errors`` < ``config`` < ``modeling`` < ``losses`` (the head's
+  loss builds its head), ``runtime`` < ``solver``, ``evaluation`` < ``engine`` (its
+  ``elastic`` package included); ``solver`` is a leaf under ``engine``, as in detectron2
   (no hook lives there);
 * application: ``train/run_setup.py`` (``train``/``main``), the builders, the
   registry of choices in the package's ``__init__`` and the script, on top;
@@ -51,7 +51,7 @@ ALLOWED = {
     "errors": set(),
     "config": {"errors"},
     "modeling": {"errors", "config"},
-    "losses": {"errors", "config"},
+    "losses": {"errors", "config", "modeling"},
     "runtime": {"errors", "config"},
     "evaluation": {"errors", "config", "runtime"},
     "engine": {"errors", "config", "runtime", "losses", "modeling", "evaluation", "solver"},

@@ -37,6 +37,10 @@ RESUMABLE_KEYS = resumable_keys()
 LOCAL_KEYS = local_keys()
 
 
+#: keys added after checkpoints were written, and the value those checkpoints' runs had
+_BEFORE_THE_KEY: dict[str, Any] = {"model.projection_bias": True}
+
+
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: the config's sections are opened, the mappings inside a section
     (``data.args``, ``data.augment``, ``loss.memory``, ...) stay one value, so a difference names that key."""
@@ -95,8 +99,18 @@ def check_ranks_agree(config: Mapping[str, Any], labels: np.ndarray, backend: Ba
 def check_resume_compatible(saved: Mapping[str, Any], current: Mapping[str, Any], checkpoint: str) -> None:
     """Refuse a resume whose config changes a key that would make a different run."""
     before, after = flatten(saved), flatten(current)
+    if before.get("head.name") is not None and "head.lr_scale" in before:
+        raise ConfigError(
+            f"cannot resume from {checkpoint}: its head was trained under the earlier recipe (unit-norm rows at "
+            f"head.lr_scale={before['head.lr_scale']!r} times AdamW's rate), which head.lr, head.momentum and "
+            "head.weight_decay replaced; its rows would continue under another optimizer. Start afresh with "
+            "--no-resume or another WORKSPACE")
+    for key, value in _BEFORE_THE_KEY.items():  # a checkpoint written before the key existed ran with this value
+        before.setdefault(key, value)
+    headless = before.get("head.name") is None and after.get("head.name") is None
     changed = sorted(k for k in set(before) | set(after)
-                     if k not in RESUMABLE_KEYS and before.get(k) != after.get(k))
+                     if k not in RESUMABLE_KEYS and before.get(k) != after.get(k)
+                     and not (headless and k.startswith("head.")))  # no head: its keys change nothing
     if changed:
         details = "; ".join(f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed[:6])
         raise ConfigError(

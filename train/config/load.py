@@ -30,6 +30,7 @@ from pksampler.train.config.schema import (
     RunConfig,
     SamplerConfig,
     TrainConfig,
+    resolve_head_defaults,
     validate,
 )
 
@@ -101,7 +102,7 @@ def build_config(tree: Mapping[str, Any]) -> RunConfig:
     """A validated RunConfig from a plain nested mapping (e.g. a checkpoint's saved config)."""
     config = _build(RunConfig, tree, "")
     validate(config)
-    return config
+    return resolve_head_defaults(config)
 
 
 def _read_yaml(path: Path) -> dict:

@@ -47,6 +47,7 @@ __all__ = [
     "SamplerConfig",
     "TrainConfig",
     "local_keys",
+    "resolve_head_defaults",
     "resumable_keys",
     "validate",
 ]
@@ -129,6 +130,9 @@ class ModelConfig:
     norm: str = _rule("auto", rules.choice(lambda: _registry("norm")))
     pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
     neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+    # the projection from the pooled feature to the embedding has a bias; null: none when head.name is set
+    # (a bias is a component every embedding shares, which a classification head can collapse them onto)
+    projection_bias: bool | None = _rule(None, rules.optional(rules.boolean))
     pretrained: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)  # read on a fresh start only
     # null: frozen exactly when `pretrained` is given and the backbone has BatchNorm (detectron2's default)
     freeze_norm: bool | None = _rule(None, rules.optional(rules.boolean))
@@ -163,24 +167,39 @@ class HeadConfig:
     ``name``: null (no head), ``arcface`` (cos(θ + m)), ``cosface`` (cos θ − m)
     or ``softmax`` (normalised softmax, no margin). Each step samples its
     positives and about ``negatives`` other classes by a hash of (seed, step,
-    class), the same at every world size; the total loss is the pair loss +
+    class), the same at every world size; the total loss is ``loss.weight`` × the pair loss +
     ``weight`` × the head's; ``bnneck`` puts a batch normalisation (zero
-    frozen bias) between the pair loss's embeddings and the head's. Rows are updated by row-sparse SGD (``optim.momentum``,
-    ``optim.weight_decay``) at the head group's learning rate times ``lr_scale``.
+    frozen bias) between the pair loss's embeddings and the head's.
+
+    The recipe of the sources (insightface Partial FC, Zhai & Wu 2018, AdaCos):
+    rows start small (N(0, 0.01²) a coordinate) and are normalised only in the
+    forward pass; they learn by their own row-sparse SGD, ``lr`` (for
+    ``optim.base_batch`` images, scaled linearly with the global batch, on the
+    run's warm-up and cosine schedule) with ``momentum`` and decoupled
+    ``weight_decay``, not at AdamW's rate; ``scale`` null is √2·ln(C − 1)
+    bounded to [10, 64]; the margin is 0 for ``softmax_steps`` steps, then
+    ramps linearly to ``margin`` over ``margin_ramp_steps``.
     """
 
     name: str | None = _rule(None, rules.optional(rules.choice(lambda: _registry("head"))))
-    # logits are scale·cos; above 300 a row of the fp64 softmax can underflow to log(0) (insightface uses 64)
-    scale: float = _rule(30.0, rules.left_open_interval(0.0, MAX_HEAD_SCALE))
+    # logits are scale·cos; null: AdaCos's √2·ln(C − 1) bounded to [10, 64]; above 300 a row of the fp64 softmax
+    # can underflow to log(0) (insightface uses 64)
+    scale: float | None = _rule(None, rules.optional(rules.left_open_interval(0.0, MAX_HEAD_SCALE)))
     margin: float = _rule(0.3, rules.closed_interval(0.0, 1.5))
+    # global steps of plain normalised softmax (margin 0), then a linear ramp to `margin` (insightface #214)
+    softmax_steps: int = _rule(100, rules.int_at_least(0))
+    margin_ramp_steps: int = _rule(200, rules.int_at_least(0))
     # expected sampled negative classes per step (every class when >= the number of classes)
     negatives: int = _rule(8192, rules.positive_int)
     subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
     weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
-    # the rows' SGD learning rate: the head group's lr times this (margin heads usually want SGD at ~0.1)
-    lr_scale: float = _rule(1.0, rules.positive_finite)
-    # BNNeck (BoT): the head reads batch-normalised embeddings; the pair loss and retrieval read them before it
-    bnneck: bool = _rule(False, rules.boolean)
+    # the rows' own SGD: rate for optim.base_batch images (linear in the global batch, on the run's schedule)
+    lr: float = _rule(0.1, rules.positive_finite)
+    momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
+    weight_decay: float = _rule(0.0005, rules.non_negative_finite)  # decoupled, applied lazily and exactly
+    # BNNeck (BoT): the head reads the embeddings batch-normalised over the gathered global batch (the same at
+    # every world size); the pair loss and retrieval read them before it. null: on (the head recipe)
+    bnneck: bool | None = _rule(None, rules.optional(rules.boolean))
 
 
 @dataclass(frozen=True)
@@ -192,7 +211,9 @@ class OptimConfig:
     ``auto`` (the optimizer's own rule). A linear warm-up of ``warmup_steps``
     steps, or of ``warmup_fraction`` of the run when that is set, then cosine
     decay. ``backbone_lr_scale``: the backbone's parameters learn at ``lr *
-    backbone_lr_scale`` (the head at ``lr``)."""
+    backbone_lr_scale`` (the head at ``lr``). ``clip_grad_norm``: the reduced
+    gradients' global norm is clipped to it before the step (Horovod: after
+    ``synchronize()``)."""
 
     name: str = _rule("adamw", rules.choice(lambda: _registry("optimizer")))
     lr: float = _rule(0.004, rules.positive_finite)
@@ -205,6 +226,8 @@ class OptimConfig:
     # how lr follows the global batch from base_batch: auto (the optimizer's rule) | linear | sqrt | none
     scaling: str = _rule("auto", rules.choice(lambda: _registry("lr_scaling")))
     backbone_lr_scale: float = _rule(1.0, rules.non_negative_finite)  # backbone group at lr * scale
+    # the dense gradients' global L2 norm is clipped to this after the allreduce (insightface: 5); null: no clip
+    clip_grad_norm: float | None = _rule(None, rules.optional(rules.positive_finite))
 
 
 @dataclass(frozen=True)
@@ -318,6 +341,7 @@ def _validate_combinations(config: RunConfig) -> None:
             raise ConfigError(f"workspace: {config.workspace} lies inside data.root {config.data.root}; the data "
                               "location is read-only (a scan would also see the run's own files): choose another WORKSPACE")
     _check_effective_lr(config)
+    _check_head(config)
     if sampler.name == "triplet" and loss.name != "triplet":
         raise ConfigError(f"loss.name: the triplet sampler needs loss 'triplet', got {loss.name!r}")
     if sampler.name == "balanced" and loss.name == "triplet":
@@ -329,6 +353,30 @@ def _validate_combinations(config: RunConfig) -> None:
                 "sampler.classes_per_step (G) and sampler.samples_per_class (K), or sampler.triplets_per_step, "
                 "and each rank takes G / world_size classes"
             )
+
+
+def _check_head(config: RunConfig) -> None:
+    """The head's rules that relate two keys: ``loss.weight`` needs a head, a head one backward pass a step."""
+    if config.loss.weight != 1 and config.head.name is None:
+        raise ConfigError(f"loss.weight: {config.loss.weight!r} weighs the pair loss against the head's, and there is "
+                          "no head (head.name: null): leave it at 1, or set head.name (arcface, cosface, softmax)")
+    if config.head.name is not None and config.train.backward_passes_per_step != 1:
+        raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
+                          f"for batches larger than memory), got {config.train.backward_passes_per_step}")
+
+
+def resolve_head_defaults(config: RunConfig) -> RunConfig:
+    """The values that depend on whether a head is on, filled in: with ``head.name`` set (the head recipe),
+    ``model.projection_bias`` null is false and ``head.bnneck`` null true; without a head, their values of every
+    run before the keys became null (a bias, no neck)."""
+    model, head = config.model, config.head
+    if model.projection_bias is None:
+        model = dataclasses.replace(model, projection_bias=head.name is None)
+    if head.bnneck is None:
+        head = dataclasses.replace(head, bnneck=head.name is not None)
+    if model is config.model and head is config.head:
+        return config
+    return dataclasses.replace(config, model=model, head=head)
 
 
 def _flagged(config: Any, flag: str, prefix: str = "") -> frozenset[str]:

@@ -6,7 +6,11 @@ Two panels side by side:
    smoothed line (exponential moving average with bias correction, the
    smoothing TensorBoard shows), so a noisy loss still shows its trend;
 2. held-out retrieval per evaluation (x = epoch): Recall@1 and, when given,
-   MAP@R, on a fixed 0..1 scale so runs compare by eye.
+   MAP@R, on a fixed 0..1 scale so runs compare by eye; and, when given, the
+   collapse metrics (:mod:`pksampler.train.evaluation.collapse`): the mean
+   cosines (all, same class, other class) as dashed lines on the same scale
+   and the effective rank on a second axis, so a head that pulls every
+   embedding together shows as the three cosines meeting near 1.
 
 matplotlib is imported lazily and switched to the ``Agg`` backend before
 pyplot is loaded, so the trainer works on machines without a display and
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import io
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -75,6 +79,7 @@ def curves_figure(
     *,
     title: str = "Training run",
     smoothing: float | None = None,
+    collapse: Mapping[str, Sequence[float]] | None = None,
 ):
     """The two-panel figure (see the module docstring); the caller owns (and closes) it.
 
@@ -86,6 +91,8 @@ def curves_figure(
         map_at_r: held-out MAP@R of each evaluation (optional).
         title: figure title, e.g. the config name and world size.
         smoothing: EMA weight for the loss line, ``None`` = automatic (see :func:`smooth`).
+        collapse: per evaluation, any of ``mean_cosine``, ``mean_cosine_same``, ``mean_cosine_other`` and
+            ``effective_rank`` (optional; NaN where an evaluation lacks it).
     """
     steps = _series("loss_steps", loss_steps)
     loss = _series("losses", losses, steps.size)
@@ -122,7 +129,8 @@ def curves_figure(
                        ha="center", color="tab:green")
         low, high = float(epochs.min()), float(epochs.max())
         right.set_xlim(low - 0.5, high + 0.5)
-        right.legend(loc="lower right")
+        _collapse_lines(right, epochs, collapse or {})
+        right.legend(loc="lower right", fontsize=8)
     else:
         right.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=right.transAxes,
                    color="grey")
@@ -132,6 +140,28 @@ def curves_figure(
     for axes in (left, right):  # steps and epochs are whole numbers
         axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
     return figure
+
+
+_COSINES = (("mean_cosine", "mean cosine (all)", "tab:grey"), ("mean_cosine_same", "mean cosine (same class)", "tab:orange"),
+            ("mean_cosine_other", "mean cosine (other class)", "tab:red"))
+
+
+def _collapse_lines(axes: Any, epochs: np.ndarray, collapse: Mapping[str, Sequence[float]]) -> None:
+    """The mean cosines (dashed, on the score axis) and the effective rank (on a second axis) per evaluation."""
+    for key, label, colour in _COSINES:
+        if key in collapse:
+            values = _series(key, collapse[key], epochs.size)
+            if values.size and np.isfinite(values).any():
+                axes.plot(epochs, values, linestyle="--", marker=".", color=colour, label=label)
+                axes.set_ylim(min(0.0, float(np.nanmin(values)) - 0.05), 1.05)
+    if "effective_rank" in collapse:
+        rank = _series("effective_rank", collapse["effective_rank"], epochs.size)
+        if rank.size and np.isfinite(rank).any():
+            twin = axes.twinx()
+            twin.plot(epochs, rank, linestyle=":", marker="^", color="tab:brown", label="effective rank")
+            twin.set_ylabel("effective rank of the embeddings", color="tab:brown")
+            twin.set_ylim(0, max(1.0, float(np.nanmax(rank))) * 1.1)
+            twin.legend(loc="upper left", fontsize=8)
 
 
 def save_curves_png(
@@ -144,9 +174,11 @@ def save_curves_png(
     *,
     title: str = "Training run",
     smoothing: float | None = None,
+    collapse: Mapping[str, Sequence[float]] | None = None,
 ) -> Path:
     """Draw :func:`curves_figure` and write it as a PNG atomically; returns the path."""
-    figure = curves_figure(loss_steps, losses, eval_epochs, recalls, map_at_r, title=title, smoothing=smoothing)
+    figure = curves_figure(loss_steps, losses, eval_epochs, recalls, map_at_r, title=title, smoothing=smoothing,
+                           collapse=collapse)
     buffer = io.BytesIO()
     try:
         figure.savefig(buffer, format="png")

@@ -31,7 +31,8 @@ from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
 
-__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "gather_batch", "replay_history"]
+__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "clip_gradients", "gather_batch",
+           "replay_history"]
 
 
 class HookBase:
@@ -123,12 +124,14 @@ class StepParts:
     scaler: torch.amp.GradScaler | None = None
     seed: int = 0  # keys the loader workers' seeds (with epoch and rank)
     loader: Any = None  # a TrainLoader yielding (model inputs, labels) per epoch; None: a DataLoader per epoch
-    # optimizers of parameters no data-parallel wrapper may average (a row-sharded head): step(lr) after the
-    # dense optimizer, at the first parameter group's learning rate
+    # optimizers of parameters no data-parallel wrapper may average (a row-sharded head): scheduled_step(f) after
+    # the dense optimizer, f the schedule's factor now (the first parameter group's lr over its initial lr)
     row_optimizers: Sequence[Any] = ()
     # parts that own a share of the world besides the backend and the sampler (the sharded head's loss): each
     # takes a new world with set_world(world) (:meth:`Trainer.set_world`)
     shared: Sequence[Any] = ()
+    # optim.clip_grad_norm: the dense gradients' global L2 norm is clipped to this after they are reduced
+    clip_grad_norm: float | None = None
 
     @property
     def gathers(self) -> bool:
@@ -318,19 +321,29 @@ class Trainer:
         self._embeddings_finite = torch.isfinite(embeddings.detach()).all()
 
     def optimizer_step(self) -> None:
-        """Apply the reduced gradients (through the GradScaler in fp16), advance the schedule, check the loss."""
+        """Apply the reduced gradients (clipped, through the GradScaler in fp16), advance the schedule, check the loss."""
         parts, backend, state = self.parts, self.parts.backend, self.state
-        if parts.scaler is None:
+        if parts.scaler is None and parts.clip_grad_norm is None:
             parts.optimizer.step()
         else:
-            # Horovod's way: finish the allreduce, unscale, then step without a second synchronize.
+            # Horovod's way: finish the allreduce, unscale and clip the reduced gradients, then step without a
+            # second synchronize (a no-op elsewhere: DDP and one process have reduced them in backward)
             backend.synchronize(parts.optimizer)
-            parts.scaler.unscale_(parts.optimizer)
+            if parts.scaler is not None:
+                parts.scaler.unscale_(parts.optimizer)
+            if parts.clip_grad_norm is not None:
+                clip_gradients(parts.optimizer, parts.clip_grad_norm)
             with backend.skip_synchronize(parts.optimizer):
-                parts.scaler.step(parts.optimizer)
-            parts.scaler.update()
+                if parts.scaler is not None:
+                    parts.scaler.step(parts.optimizer)
+                else:
+                    parts.optimizer.step()
+            if parts.scaler is not None:
+                parts.scaler.update()
+        group = parts.optimizer.param_groups[0]
+        factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
         for rows in parts.row_optimizers:
-            rows.step(parts.optimizer.param_groups[0]["lr"])
+            rows.scheduled_step(factor)
         parts.optimizer.zero_grad()
         parts.scheduler.step()
         state.global_step += 1
@@ -353,6 +366,16 @@ class Trainer:
                 "stopped. The last good checkpoint is kept: lower optim.lr, raise optim.warmup_steps or check "
                 "the data, then resume or start afresh"
             )
+
+
+def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """Clip the global L2 norm of every gradient the optimizer holds to ``max_norm``; the norm before clipping.
+
+    Called on reduced gradients (after Horovod's ``synchronize()``, after DDP's backward), so every rank clips
+    by the same norm and the ranks stay in step.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
 def replay_history(trainer: Trainer, path: Path) -> None:

@@ -32,6 +32,7 @@ from pksampler.datasets.transforms import apply_transform, sample_rng
 
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.runtime.loader import worker_context, to_model_input
+from pksampler.train.evaluation.collapse import sampled_collapse_metrics
 from pksampler.train.evaluation.queries import stratified_queries
 from pksampler.train.evaluation.sharded import ShardedResult, sharded_retrieval
 from pksampler.train.evaluation.render import save_gallery_png
@@ -192,9 +193,10 @@ class HeldOutEvaluator:
         result = sharded_retrieval(local, labels[mine], mine, query_ids=query_ids, ks=(1, 5, 10),
                                    neighbour_ids=shown, num_neighbours=5, seed=self.seed, collectives=self.backend,
                                    **self.search)
+        collapse = sampled_collapse_metrics(local, mine, readable, labels, self.backend, seed=self.seed)
         if self.backend.rank != 0:
             return {}
-        metrics = {**result.metrics, "num_unreadable": int(len(self.test_set) - readable.size)}
+        metrics = {**result.metrics, **collapse, "num_unreadable": int(len(self.test_set) - readable.size)}
         print(f"[pksampler] epoch {epoch}: " + " ".join(
             f"{k}={v:.4f}" for k, v in metrics.items() if isinstance(v, float)), flush=True)
         self.last_gallery = self._gallery(epoch, result, metrics)

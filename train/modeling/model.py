@@ -162,7 +162,7 @@ class EmbeddingNet(nn.Module):
 
     def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
                  norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None, stem_stride: int = 1) -> None:
+                 sync_batch_norm: type[nn.Module] | None = None, stem_stride: int = 1, bias: bool = True) -> None:
         super().__init__()
         norm = norm or norm_factory("group")
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, stem_stride, 1, bias=False), norm(width), nn.ReLU(inplace=True))
@@ -175,7 +175,7 @@ class EmbeddingNet(nn.Module):
                 channels = out_channels
         self.stages = nn.Sequential(*stages)
         self.pool = _Pool(pooling)
-        self.head = nn.Linear(channels * (2 if pooling == "avgmax" else 1), embedding_dim)
+        self.head = nn.Linear(channels * (2 if pooling == "avgmax" else 1), embedding_dim, bias=bias)
         self.neck = _neck(neck, embedding_dim, sync_batch_norm)
         self.embedding_dim = embedding_dim
 
@@ -197,11 +197,11 @@ class BackboneEmbedding(nn.Module):
     """
 
     def __init__(self, backbone: nn.Module, embedding_dim: int, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None) -> None:
+                 sync_batch_norm: type[nn.Module] | None = None, bias: bool = True) -> None:
         super().__init__()
         self.backbone = backbone
         self.pool = _Pool(pooling)
-        self.head = nn.Linear(backbone.num_features * (2 if pooling == "avgmax" else 1), embedding_dim)
+        self.head = nn.Linear(backbone.num_features * (2 if pooling == "avgmax" else 1), embedding_dim, bias=bias)
         self.neck = _neck(neck, embedding_dim, sync_batch_norm)
         self.embedding_dim = embedding_dim
 
@@ -212,7 +212,7 @@ class BackboneEmbedding(nn.Module):
 class TorchvisionEmbedding(nn.Module):
     """A torchvision backbone (when torchvision imports) with the same embedding head and neck."""
 
-    def __init__(self, name: str, embedding_dim: int, neck: str = "none") -> None:
+    def __init__(self, name: str, embedding_dim: int, neck: str = "none", *, bias: bool = True) -> None:
         super().__init__()
         try:
             import torchvision.models as models
@@ -227,7 +227,7 @@ class TorchvisionEmbedding(nn.Module):
                              "ResNet-like torchvision model (resnet*, resnext*, wide_resnet*, regnet*)")
         features = backbone.fc.in_features
         backbone.fc = nn.Identity()
-        self.backbone, self.head = backbone, nn.Linear(features, embedding_dim)
+        self.backbone, self.head = backbone, nn.Linear(features, embedding_dim, bias=bias)
         self.neck = _neck(neck, embedding_dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
@@ -244,16 +244,17 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
     config = resolve_norm(config)
     _check_pretrained(config)
     name = config.backbone
+    bias = getattr(config, "projection_bias", None) is not False  # null (unresolved): the bias, as before the key
     if name.startswith("torchvision:"):
         if config.pooling != "avg":
             raise ConfigError(f"model.pooling={config.pooling!r} applies to our own backbones only; "
                              f"torchvision backbones pool with their own layer (use 'avg')")
-        model: nn.Module = TorchvisionEmbedding(name.split(":", 1)[1], config.embedding_dim, config.neck)
+        model: nn.Module = TorchvisionEmbedding(name.split(":", 1)[1], config.embedding_dim, config.neck, bias=bias)
     elif name == DEMO:
         model = EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
                              norm_factory(config.norm, sync_batch_norm),
                              pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm,
-                             stem_stride=config.stem_stride)
+                             stem_stride=config.stem_stride, bias=bias)
     elif name in RESNETS or name in VITS:
         if name in VITS and config.pooling == "gem":
             raise ConfigError(f"model.pooling: 'gem' needs non-negative features and a ViT's tokens are not; "
@@ -261,7 +262,7 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
         trunk = (resnet(name, norm_factory(config.norm, sync_batch_norm)) if name in RESNETS
                  else vit(name, image_size=image_size))
         model = BackboneEmbedding(trunk, config.embedding_dim, pooling=config.pooling, neck=config.neck,
-                                  sync_batch_norm=sync_batch_norm)
+                                  sync_batch_norm=sync_batch_norm, bias=bias)
     else:
         raise ConfigError(f"model.backbone must be one of {list(BACKBONES)} or 'torchvision:<name>', got {name!r}")
     if config.freeze_norm:

@@ -2,7 +2,8 @@
 
 Rank r of W holds a contiguous range of the global class ids (⌈C/W⌉ rows for
 the first C mod W ranks, ⌊C/W⌋ after: :func:`shard_range`), each row a
-normalised class centre (or ``subcentres`` of them, sub-centre ArcFace). A
+class centre (or ``subcentres`` of them, sub-centre ArcFace), small at the
+start (:data:`INIT_STD`) and normalised only in the forward pass. A
 step's loss is a margin softmax over a sampled set of classes:
 
 * the step's positives (every class of the gathered global batch) always;
@@ -11,7 +12,9 @@ step's loss is a margin softmax over a sampled set of classes:
   bit, at every world size: each rank evaluates the hash for its own rows.
 
 Logits are ``scale * cos`` in fp32 with the margin on the target
-(``arcface``: cos(θ + m), ``cosface``: cos θ − m, ``softmax``: none). The
+(``arcface``: cos(θ + m), ``cosface``: cos θ − m, ``softmax``: none), the
+margin 0 for ``softmax_steps`` and then ramped in; the scale defaults to
+AdaCos's √2·ln(C − 1), bounded (:func:`derived_scale`). The
 softmax needs no max all-reduce: logits lie in [−scale, scale], so
 ``exp(logit − scale)`` never overflows; the sum of exponentials and the target
 logit are summed over ranks in fp64, once per step. Every rank then holds the
@@ -27,7 +30,7 @@ exists. A step leaves the gradient of its sampled rows in :attr:`pending`;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 from typing import Any, Callable, Protocol
 
 import numpy as np
@@ -40,7 +43,7 @@ from pksampler.world import World
 from pksampler.train.config.schema import MAX_HEAD_SCALE
 from pksampler.train.errors import ConfigError
 
-__all__ = ["HEADS", "HeadSpec", "ShardedMarginHead", "sampled", "shard_range"]
+__all__ = ["HEADS", "INIT_STD", "ShardedMarginHead", "derived_scale", "sampled", "shard_range"]
 
 #: ``head.name`` choices
 HEADS = ("arcface", "cosface", "softmax")
@@ -59,22 +62,31 @@ class Collectives(Protocol):
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
-@dataclass(frozen=True)
-class HeadSpec:
-    """The head's hyper-parameters (the ``head:`` config block)."""
+#: the rows' initial standard deviation per coordinate (insightface Partial FC: N(0, 0.01)), so ‖w‖ ≈ 0.01·√D; the
+#: rows are normalised only in the forward pass, and an SGD step turns a row by about lr/‖w‖², which makes
+#: a small start a fast start (a unit-norm row learns about 100× slower at D = 128)
+INIT_STD = 0.01
+#: bounds of the scale derived from the number of classes (:func:`derived_scale`)
+MIN_DERIVED_SCALE, MAX_DERIVED_SCALE = 10.0, 64.0
 
-    name: str = "arcface"
-    scale: float = 30.0
-    margin: float = 0.3
-    negatives: int = 8192  # expected sampled negative classes per step (all classes when >= C)
-    subcentres: int = 1
-    weight: float = 1.0  # the head's loss against the pair loss
 
-    def __post_init__(self) -> None:
-        if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or \
-                not 0.0 < self.scale <= MAX_HEAD_SCALE:
-            raise ValueError(f"head.scale: must be in (0, {MAX_HEAD_SCALE:g}], got {self.scale!r} (the softmax "
-                             "offsets logits by the scale in fp64; beyond the bound a row underflows to log(0))")
+def derived_scale(num_classes: int) -> float:
+    """AdaCos's fixed scale √2·ln(C − 1) (Zhang et al. 2019), bounded to [10, 64].
+
+    9.3 at C = 700 and 19.5 at 10⁶; below 10 (C < 1,200) the bound holds it at 10 (the
+    temperature 0.1 of normalised softmax, Zhai & Wu use 0.05), above it at insightface's 64.
+    """
+    if num_classes < 2:
+        return MIN_DERIVED_SCALE
+    value = math.sqrt(2.0) * math.log(num_classes - 1)
+    return min(MAX_DERIVED_SCALE, max(MIN_DERIVED_SCALE, value))
+
+
+def check_scale(scale: float) -> None:
+    """Refuse a scale outside (0, MAX_HEAD_SCALE], naming ``head.scale``."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale <= MAX_HEAD_SCALE:
+        raise ValueError(f"head.scale: must be in (0, {MAX_HEAD_SCALE:g}], got {scale!r} (the softmax "
+                         "offsets logits by the scale in fp64; beyond the bound a row underflows to log(0))")
 
 
 def head_memory(num_classes: int, dim: int, subcentres: int, world: int) -> dict[str, int]:
@@ -204,50 +216,73 @@ class ShardedMarginHead(torch.nn.Module):
     Args:
         num_classes: C, the global number of classes (labels are 0 … C − 1).
         dim: the embedding size D.
-        spec: margin kind, scale, margin, expected negatives per step, sub-centres.
         collectives: rank, size, ``allreduce_sum`` and ``allgather`` (the trainer's backend).
+        name: the margin kind (:data:`HEADS`).
+        scale: s, logits are s·cos; None: :func:`derived_scale` of C.
+        margin: m on the target (arcface: cos(θ + m), cosface: cos θ − m).
+        negatives: expected sampled negative classes per step (all classes when >= C).
+        subcentres: k centres per class, the nearest one used (sub-centre ArcFace).
+        softmax_steps, margin_ramp_steps: the margin is 0 for the first ``softmax_steps`` global steps, then
+            grows linearly to ``margin`` over ``margin_ramp_steps`` (insightface #214: softmax first, then the
+            margin, when the margin head does not converge from scratch).
         seed: keys the initial rows and the negative draw.
         agree_memory: check the host memory with one collective, so a host short of it stops every rank with the
             same error (set by the trainer, where every rank builds its head at once).
     """
 
-    def __init__(self, num_classes: int, dim: int, spec: HeadSpec, collectives: Collectives, *, seed: int = 0,
-                 local_ranks: int = 1, elastic: bool = False, agree_memory: bool = False) -> None:
+    def __init__(self, num_classes: int, dim: int, collectives: Collectives, *, name: str = "arcface",
+                 scale: float | None = 30.0, margin: float = 0.3, negatives: int = 8192, subcentres: int = 1,
+                 softmax_steps: int = 0, margin_ramp_steps: int = 0, seed: int = 0, local_ranks: int = 1,
+                 elastic: bool = False, agree_memory: bool = False) -> None:
         super().__init__()
-        if spec.name not in HEADS:
-            raise ValueError(f"head.name must be one of {list(HEADS)}, got {spec.name!r}")
+        if name not in HEADS:
+            raise ValueError(f"head.name must be one of {list(HEADS)}, got {name!r}")
+        scale = derived_scale(num_classes) if scale is None else scale
+        check_scale(scale)
         # agree_memory: every rank runs this together (the static trainer), so the memory check is one collective;
         # never under Horovod elastic, where a joiner builds its head before it meets the survivors
-        check_head_memory(num_classes, dim, spec.subcentres, world=collectives.size, local_ranks=local_ranks,
+        check_head_memory(num_classes, dim, subcentres, world=collectives.size, local_ranks=local_ranks,
                           elastic=elastic, collectives=collectives if agree_memory and not elastic else None)
-        self.num_classes, self.dim, self.spec, self.collectives, self.seed = num_classes, dim, spec, collectives, seed
+        self.name, self.scale, self.margin, self.negatives, self.subcentres = name, float(scale), margin, negatives, subcentres
+        self.softmax_steps, self.margin_ramp_steps = softmax_steps, margin_ramp_steps
+        self.num_classes, self.dim, self.collectives, self.seed = num_classes, dim, collectives, seed
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
-        self.step = 0  # global steps taken: keys the negative draw
+        self.step = 0  # global steps taken: keys the negative draw and the margin's ramp
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids, sampled rows with .grad)
         # called with the sampled row ids before they are read (the optimizer applies their pending weight decay)
         self.before_read: Callable[[torch.Tensor], None] | None = None
 
     def initial_rows(self) -> torch.Tensor:
-        """Rows keyed by class id, so the head starts the same at every world size.
+        """Rows keyed by class id, so the head starts the same at every world size: N(0, INIT_STD²) each coordinate.
 
         Classes come in fixed blocks of ``_INIT_BLOCK`` ids, each drawn from a
         generator keyed by (seed, block); a rank draws the blocks its range
-        overlaps and keeps its rows.
+        overlaps and keeps its rows. They are not normalised: the forward pass
+        normalises them, and their small length is what lets SGD turn them fast.
         """
-        k, block = self.spec.subcentres, _INIT_BLOCK
+        k, block = self.subcentres, _INIT_BLOCK
         rows = torch.empty(self.hi - self.lo, k, self.dim)
         for first in range(self.lo - self.lo % block, self.hi, block):
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + first // block)
             drawn = torch.randn(block, k, self.dim, generator=generator)
             lo, hi = max(first, self.lo), min(first + block, self.hi)
             rows[lo - self.lo:hi - self.lo] = drawn[lo - first:hi - first]
-        return F.normalize(rows, dim=2)
+        return rows * INIT_STD
+
+    def margin_now(self) -> float:
+        """The margin at this global step: 0 during the softmax phase, then a linear ramp to ``margin``."""
+        into = self.step - self.softmax_steps
+        if into < 0:
+            return 0.0
+        if self.margin_ramp_steps <= 0 or into >= self.margin_ramp_steps:
+            return self.margin
+        return self.margin * (into + 1) / self.margin_ramp_steps
 
     def selection(self, labels: torch.Tensor) -> torch.Tensor:
         """This rank's sampled rows (local indices): the batch's classes in range, then the hashed negatives."""
         ids = np.arange(self.lo, self.hi)
-        rate = min(1.0, self.spec.negatives / max(self.num_classes, 1))
+        rate = min(1.0, self.negatives / max(self.num_classes, 1))
         chosen = sampled(ids, seed=self.seed, step=self.step, rate=rate)
         positives = labels.cpu().numpy()
         positives = positives[(positives >= self.lo) & (positives < self.hi)] - self.lo
@@ -255,12 +290,12 @@ class ShardedMarginHead(torch.nn.Module):
         return torch.from_numpy(np.flatnonzero(chosen)).to(self.rows.device)
 
     def _target_cosine(self, cosine: torch.Tensor) -> torch.Tensor:
-        spec = self.spec
-        if spec.name == "cosface":
-            return cosine - spec.margin
-        if spec.name == "arcface":
+        margin = self.margin_now()
+        if self.name == "cosface":
+            return cosine - margin
+        if self.name == "arcface" and margin:
             theta = torch.acos(cosine.clamp(-1 + 1e-7, 1 - 1e-7))
-            return torch.cos(theta + spec.margin)
+            return torch.cos(theta + margin)
         return cosine
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -279,15 +314,15 @@ class ShardedMarginHead(torch.nn.Module):
         if chosen.numel():
             mine = mine & (chosen[position] == local)
         target = torch.zeros_like(labels, dtype=torch.float32, device=cosine.device)
-        logits = self.spec.scale * cosine
+        logits = self.scale * cosine
         if chosen.numel():
             picked = cosine.gather(1, position[:, None]).squeeze(1)
-            target_logit = self.spec.scale * self._target_cosine(picked)
+            target_logit = self.scale * self._target_cosine(picked)
             target = torch.where(mine, target_logit, target)
-            logits = logits.scatter(1, position[:, None], torch.where(mine, target_logit, picked * self.spec.scale)[:, None])
-        sum_exp = torch.exp(logits.double() - self.spec.scale).sum(dim=1)
+            logits = logits.scatter(1, position[:, None], torch.where(mine, target_logit, picked * self.scale)[:, None])
+        sum_exp = torch.exp(logits.double() - self.scale).sum(dim=1)
         both = _SumOverRanks.apply(torch.stack([sum_exp, target.double()], dim=1), self.collectives)
-        loss = torch.log(both[:, 0]) + self.spec.scale - both[:, 1]
+        loss = torch.log(both[:, 0]) + self.scale - both[:, 1]
         return loss.mean().float()
 
     # --- state: the whole head, keyed by class id, the same at every world size ---------------------------
@@ -325,10 +360,10 @@ class ShardedMarginHead(torch.nn.Module):
     def state_dict_rows(self, *, everywhere: bool = False) -> dict[str, Any]:
         """The whole head's rows by class id (rank 0 only unless ``everywhere``; see :meth:`gather_rows`)."""
         return {"rows": self.gather_rows(self.rows, everywhere=everywhere), "step": self.step,
-                "num_classes": self.num_classes, "subcentres": self.spec.subcentres, "dim": self.dim}
+                "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim}
 
     def load_state_dict_rows(self, saved: dict[str, Any]) -> None:
-        shape = (self.num_classes, self.spec.subcentres, self.dim)
+        shape = (self.num_classes, self.subcentres, self.dim)
         rows = saved["rows"]
         if tuple(rows.shape) != shape:
             raise ValueError(f"the checkpoint's head has rows of shape {tuple(rows.shape)}, this run's {shape} "
@@ -342,7 +377,7 @@ class ShardedMarginHead(torch.nn.Module):
         The rows are zero until a whole-head state is loaded (:meth:`load_state_dict_rows`) or assembled.
         """
         self.lo, self.hi = shard_range(self.num_classes, world.size, world.rank)
-        self.rows = torch.zeros(self.hi - self.lo, self.spec.subcentres, self.dim, device=self.rows.device)
+        self.rows = torch.zeros(self.hi - self.lo, self.subcentres, self.dim, device=self.rows.device)
         self.pending = None
 
     def memory_bytes(self) -> int:

@@ -18,7 +18,7 @@ the same way): a row's momentum changes only when the row is sampled.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -33,10 +33,12 @@ __all__ = ["SparseRowSGD"]
 class SparseRowSGD:
     """Row-sparse SGD with momentum and lazy decoupled weight decay for a :class:`ShardedMarginHead`."""
 
-    def __init__(self, head: ShardedMarginHead, *, momentum: float = 0.9, weight_decay: float = 0.0,
-                 grad_divisor: float = 1.0, lr_scale: float = 1.0) -> None:
+    def __init__(self, head: ShardedMarginHead, *, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
+                 grad_divisor: float = 1.0) -> None:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
+            raise ValueError(f"SparseRowSGD(lr=) expects a finite number > 0, got {lr!r}")
         self.head, self.momentum, self.weight_decay = head, momentum, weight_decay
-        self.lr_scale = lr_scale  # the rows learn at the head group's lr times this
+        self.lr = float(lr)  # the rows' peak rate: scheduled_step(f) steps at lr·f (f: the run's schedule factor)
         self.grad_divisor = grad_divisor  # the loss scale the backward carried (Horovod: the world size)
         self.buffer = torch.zeros_like(head.rows)
         # steps whose decay a row has; on the host with the decay log (indexed with host copies of row ids)
@@ -62,9 +64,12 @@ class SparseRowSGD:
         factor = torch.exp(self._log[self.steps] - self._log[steps])
         return factor.to(device=self.head.rows.device, dtype=self.head.rows.dtype)
 
+    def scheduled_step(self, factor: float) -> None:
+        """One step at ``lr · factor``, ``factor`` the run's warm-up/cosine schedule now (the trainer's call)."""
+        self.step(self.lr * factor)
+
     def step(self, lr: float) -> None:
-        """Apply the pending gradient of the sampled rows at learning rate ``lr`` (times ``lr_scale``)."""
-        lr = lr * self.lr_scale
+        """Apply the pending gradient of the sampled rows at learning rate ``lr``."""
         pending, self.head.pending = self.head.pending, None
         self._record(lr)
         self.head.step += 1
@@ -128,7 +133,7 @@ class SparseRowSGD:
         (``meta``, the same on every rank), and a host copy of this rank's rows and momentum, decay settled."""
         self.settle()
         head = self.head
-        meta = {"step": head.step, "num_classes": head.num_classes, "subcentres": head.spec.subcentres,
+        meta = {"step": head.step, "num_classes": head.num_classes, "subcentres": head.subcentres,
                 "dim": head.dim, "log_decay": self.log_decay.clone()}
         return meta, RangeCopy(head.lo, head.hi, head.rows.detach().to("cpu", copy=True),
                                self.buffer.detach().to("cpu", copy=True))
@@ -148,102 +153,3 @@ class SparseRowSGD:
         self.steps = log_decay.numel() - 1
         self._log = torch.cat([log_decay, torch.zeros(max(1024, log_decay.numel()), dtype=torch.float64)])
         self.moved_at.fill_(self.steps)
-
-
-class HeadedLoss:
-    """``pair_weight · pair(embeddings, labels) + weight · head(embeddings, labels)``: the loss with a sharded head.
-
-    Behaves like the pair loss it wraps (``parameters``, ``to``, ``state_dict``);
-    its state adds the head's rows and momentum, keyed by class id, so a
-    checkpoint loads at any world size. :attr:`row_optimizer` is stepped by the
-    trainer after the dense optimizer (:meth:`Trainer.optimizer_step`).
-    """
-
-    def __init__(self, pair: Any, head: ShardedMarginHead, row_optimizer: SparseRowSGD, *, weight: float,
-                 neck: torch.nn.Module | None = None, pair_weight: float = 1.0) -> None:
-        self.pair, self.head, self.row_optimizer, self.weight = pair, head, row_optimizer, weight
-        self.pair_weight = pair_weight  # 0: the head alone (the pair loss is not computed)
-        self.neck = neck  # BNNeck: the head reads neck(embeddings), the pair loss the embeddings
-        self.last_head_loss = torch.zeros(())
-
-    def head_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The head's loss of the gathered batch (through the neck when there is one)."""
-        return self.head(self.neck(embeddings) if self.neck is not None else embeddings, labels)
-
-    def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        head_loss = self.head_loss(embeddings, labels)
-        self.last_head_loss = head_loss.detach()
-        if self.pair_weight == 0:
-            return self.weight * head_loss
-        return self.pair_weight * self.pair(embeddings, labels) + self.weight * head_loss
-
-    def set_world(self, world: World) -> None:
-        """The world protocol (a Horovod elastic reset): this rank's range of rows in ``world``, zero until the
-        committed head is assembled into it (:meth:`load_assembled`, or :meth:`load_initial` before any
-        commit). Not collective: the trainer calls it on every survivor; a joiner's head is built in its world."""
-        self.row_optimizer.begin_world(world)
-
-    def _set_grad_divisor(self, grad_divisor: float) -> None:
-        self.row_optimizer.grad_divisor = grad_divisor
-        if self.neck is not None:
-            self.neck.grad_divisor = grad_divisor
-
-    def load_initial(self, *, grad_divisor: float) -> None:
-        """For a new world with no committed step: the initial rows of this rank's range, the new divisor."""
-        self._set_grad_divisor(grad_divisor)
-        self.row_optimizer.load_initial()
-
-    def own_range(self) -> tuple[dict[str, Any], RangeCopy]:
-        """Horovod elastic's commit of this rank (no collective): the dense state (pair loss, neck, the head's
-        step and decay log; the same on every rank) and a host copy of this rank's rows and momentum."""
-        meta, own = self.row_optimizer.own_range()
-        dense = {"pair": self.pair.state_dict(), "head": meta}
-        if self.neck is not None:
-            dense["neck"] = self.neck.state_dict()
-        return dense, own
-
-    def load_assembled(self, dense: dict[str, Any], fill: Callable[[torch.Tensor, torch.Tensor], None], *,
-                       grad_divisor: float) -> None:
-        """For a new world: this rank's new range, its rows and momentum written by ``fill(rows, momentum)``
-        (a collective, :func:`~pksampler.train.modeling.head_replicas.assemble`), then ``dense``
-        (:meth:`own_range`'s) and the new world's gradient divisor. The range is the current world's
-        (:meth:`set_world`, or a joiner's head built in it)."""
-        self._set_grad_divisor(grad_divisor)
-        fill(self.head.rows, self.row_optimizer.buffer)
-        self.row_optimizer.load_meta(dense["head"])
-        self._load_pair_and_neck(dense)
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
-        return list(self.pair.parameters()) + neck
-
-    def to(self, device: torch.device | str) -> "HeadedLoss":
-        self.pair.to(device)
-        self.head.to(device)
-        if self.neck is not None:
-            self.neck.to(device)
-        self.row_optimizer.buffer = self.row_optimizer.buffer.to(device)
-        return self
-
-    def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:
-        """The pair loss's state and the whole head (a collective: every rank calls it together; the head's rows
-        and momentum reach rank 0 only unless ``everywhere``, see :meth:`SparseRowSGD.state_dict`)."""
-        state = {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict(everywhere=everywhere)}
-        if self.neck is not None:
-            state["neck"] = self.neck.state_dict()
-        return state
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        if "head" not in saved:
-            raise ValueError("the checkpoint has no head (head.name was null when it was written)")
-        self.row_optimizer.load_state_dict(saved["head"])
-        self._load_pair_and_neck(saved)
-
-    def _load_pair_and_neck(self, saved: dict[str, Any]) -> None:
-        """The dense parts of :meth:`state_dict`: the pair loss's state and the BNNeck's (which must match)."""
-        self.pair.load_state_dict(saved["pair"])
-        if (self.neck is not None) != ("neck" in saved):
-            raise ValueError(f"the checkpoint's head {'has' if 'neck' in saved else 'has no'} BNNeck, this run's "
-                             f"head.bnneck is {self.neck is not None}: they must match")
-        if self.neck is not None:
-            self.neck.load_state_dict(saved["neck"])

@@ -19,9 +19,10 @@ from pksampler.train.engine.elastic import HorovodElasticMode, SamplerHandler, c
 from pksampler.train.engine.mode import RunMode
 from pksampler.train.engine.trainer import HookBase, StepParts, Trainer
 from pksampler.train.errors import ConfigError
-from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead, shard_range
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range
 from pksampler.train.runtime.distributed import Backend
-from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
+from pksampler.train.losses.headed import HeadedLoss
+from pksampler.train.solver.sparse_rows import SparseRowSGD
 from pksampler.world import World
 
 LABELS = np.repeat(np.arange(48), 5)
@@ -131,14 +132,14 @@ def test_trainer_set_world_moves_every_part_that_owns_a_share_then_tells_the_hoo
 
 
 def test_the_heads_loss_takes_its_range_in_a_new_world_and_its_initial_rows_before_a_commit():
-    classes, dim, spec = 20, 4, HeadSpec(name="cosface", negatives=8)
-    head = ShardedMarginHead(classes, dim, spec, SimpleNamespace(rank=2, size=3), seed=1)
+    classes, dim, spec = 20, 4, {"name": "cosface", "negatives": 8}
+    head = ShardedMarginHead(classes, dim, SimpleNamespace(rank=2, size=3), **spec, seed=1)
     loss = HeadedLoss(torch.nn.Identity(), head, SparseRowSGD(head, momentum=0.9), weight=1.0)
     loss.set_world(World(rank=1, size=2))
     assert (head.lo, head.hi) == shard_range(classes, 2, 1) and not head.rows.any()
     assert loss.row_optimizer.buffer.shape == head.rows.shape
     loss.load_initial(grad_divisor=2.0)
-    fresh = ShardedMarginHead(classes, dim, spec, SimpleNamespace(rank=1, size=2), seed=1)
+    fresh = ShardedMarginHead(classes, dim, SimpleNamespace(rank=1, size=2), **spec, seed=1)
     assert torch.equal(head.rows, fresh.rows) and loss.row_optimizer.grad_divisor == 2.0
 
 

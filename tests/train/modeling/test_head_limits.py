@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
-from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead, available_host_bytes, head_memory
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, available_host_bytes, head_memory
 
 
 class OneRank:
@@ -31,9 +31,9 @@ def test_a_head_larger_than_the_hosts_memory_is_one_line_naming_head_and_c():
     with pytest.raises(ConfigError, match=r"^head\.name: a sharded head of C=1,000,000,000 classes × "
                                           r"head\.subcentres=1 × model\.embedding_dim=128 needs about \d+\.\d+ GiB on "
                                           r"this host .* but \d+\.\d+ GiB are available") as caught:
-        ShardedMarginHead(10**9, 128, HeadSpec(), OneRank())
+        ShardedMarginHead(10**9, 128, OneRank())
     assert "\n" not in str(caught.value)
-    small = ShardedMarginHead(1000, 16, HeadSpec(), OneRank())  # a head that fits is built
+    small = ShardedMarginHead(1000, 16, OneRank())  # a head that fits is built
     assert small.rows.shape == (1000, 1, 16)
     assert head_memory(10**7, 128, 1, 16)["rows"] == -(-10**7 // 16) * 128 * 4
 
@@ -43,10 +43,10 @@ def test_a_scale_whose_softmax_underflows_is_refused_and_the_bound_trains_finite
     with pytest.raises(ConfigError, match=r"^head\.scale: must be in \(0, 300\], got 2000"):
         load_config(None, ["head.name=arcface", "head.scale=2000"], environ={})
     with pytest.raises(ValueError, match=r"^head\.scale: must be in \(0, 300\], got 2000"):
-        HeadSpec(scale=2000.0)
+        ShardedMarginHead(40, 8, OneRank(), scale=2000.0)
     # at the bound, the worst row (every cosine -1, the logits all at -scale) keeps a finite loss and gradient
     for name in ("arcface", "cosface", "softmax"):
-        head = ShardedMarginHead(40, 8, HeadSpec(name=name, scale=300.0, negatives=1000), OneRank(), seed=1)
+        head = ShardedMarginHead(40, 8, OneRank(), name=name, scale=300.0, negatives=1000, seed=1)
         direction = F.normalize(torch.ones(8), dim=0)
         head.rows.copy_(direction.expand(40, 1, 8))
         embeddings = (-direction).expand(6, 8).clone().requires_grad_(True)
@@ -81,7 +81,7 @@ def test_a_checkpoint_gathers_the_head_to_rank_0_alone_in_blocks(monkeypatch):
 
     def work(group):
         counting = Counting(group.group, group.rank)
-        head = ShardedMarginHead(C, D, TRACE_SPEC, counting, seed=1)
+        head = ShardedMarginHead(C, D, counting, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
         head_steps(head, rows, range(3))
         counting.track = True

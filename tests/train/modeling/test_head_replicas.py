@@ -21,7 +21,8 @@ from pksampler.train.engine.elastic import HeadHandler  # noqa: E402
 from pksampler.train.modeling import head_replicas  # noqa: E402
 from pksampler.train.modeling.head_replicas import HeadRowsLost, replica_shift  # noqa: E402
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
-from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD  # noqa: E402
+from pksampler.train.losses.headed import HeadedLoss  # noqa: E402
+from pksampler.train.solver.sparse_rows import SparseRowSGD  # noqa: E402
 from pksampler.world import World  # noqa: E402
 
 
@@ -68,7 +69,7 @@ def run_each(world: int, work) -> list:
 
 def _member(group: Rank, hosts: list[int]):
     """A rank's head, row optimizer and elastic handler (a real HeadedLoss with an empty pair loss)."""
-    head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
+    head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
     loss = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0)
     return head, rows, HeadHandler(loss, grad_divisor=lambda: 1.0, host=lambda: hosts[head.collectives.rank])
@@ -180,7 +181,7 @@ def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
     (losses, saved), = run_each(1, before)
 
     def resumed(group):
-        head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
+        head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
         loss = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0)
         handler = HeadHandler(loss, grad_divisor=lambda: 1.0, resumed=saved if group.rank == 0 else None,

@@ -18,9 +18,10 @@ from torch.nn import functional as F
 
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
-from pksampler.train.modeling.sharded_head import HeadSpec, ShardedMarginHead, sampled, shard_range
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, sampled, shard_range
 from pksampler.train.modeling.bnneck import BNNeck
-from pksampler.train.solver.sparse_rows import HeadedLoss, SparseRowSGD
+from pksampler.train.losses.headed import HeadedLoss
+from pksampler.train.solver.sparse_rows import SparseRowSGD
 
 C, D, N = 50, 8, 24
 
@@ -80,8 +81,8 @@ def inputs(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, C, (N,), generator=generator))
 
 
-def head_step(collectives, spec: HeadSpec, embeddings: torch.Tensor, labels: torch.Tensor):
-    head = ShardedMarginHead(C, D, spec, collectives, seed=1)
+def head_step(collectives, spec: dict, embeddings: torch.Tensor, labels: torch.Tensor):
+    head = ShardedMarginHead(C, D, collectives, **spec, seed=1)
     leaf = embeddings.clone().requires_grad_(True)
     loss = head(leaf, labels)
     loss.backward()
@@ -90,7 +91,7 @@ def head_step(collectives, spec: HeadSpec, embeddings: torch.Tensor, labels: tor
 
 @pytest.mark.parametrize("name", ["softmax", "cosface", "arcface"])
 def test_with_every_class_sampled_it_is_the_full_softmax_of_a_linear_head(name):
-    spec = HeadSpec(name=name, scale=16.0, margin=0.2, negatives=10 * C)
+    spec = dict(name=name, scale=16.0, margin=0.2, negatives=10 * C)
     embeddings, labels = inputs()
     (loss, grad, head), = run_ranks(1, lambda group: head_step(group, spec, embeddings, labels))
     rows_grad = head.pending[1].grad[:, 0]
@@ -109,15 +110,16 @@ def test_with_every_class_sampled_it_is_the_full_softmax_of_a_linear_head(name):
     reference.backward()
     assert abs(loss - float(reference.detach())) <= 1e-6 * abs(float(reference.detach()))
     assert torch.allclose(grad, leaf.grad, rtol=1e-6, atol=1e-7)
-    assert torch.allclose(rows_grad, linear.weight.grad, rtol=1e-5, atol=1e-7)
+    # the rows start small (‖w‖ ≈ 0.03 here), so their gradients are large: fp32 noise scales with them
+    assert torch.allclose(rows_grad, linear.weight.grad, rtol=1e-5, atol=1e-6 * float(linear.weight.grad.abs().max()))
 
 
 def test_the_sampled_negatives_are_the_same_set_at_every_world_size():
     embeddings, labels = inputs()
-    spec = HeadSpec(negatives=12)
+    spec = dict(negatives=12)
     picked = {}
     for world in (1, 2, 3):
-        heads = [ShardedMarginHead(C, D, spec, Member(ThreadGroup(world), rank)) for rank in range(world)]
+        heads = [ShardedMarginHead(C, D, Member(ThreadGroup(world), rank), **spec) for rank in range(world)]
         for head in heads:
             head.step = 7
         picked[world] = np.concatenate([h.selection(labels).numpy() + h.lo for h in heads])
@@ -128,7 +130,7 @@ def test_the_sampled_negatives_are_the_same_set_at_every_world_size():
 
 
 def test_loss_and_embedding_gradient_are_the_same_at_one_two_and_three_ranks():
-    spec = HeadSpec(name="arcface", scale=16.0, margin=0.3, negatives=20, subcentres=2)
+    spec = dict(name="arcface", scale=16.0, margin=0.3, negatives=20, subcentres=2)
     embeddings, labels = inputs(3)
     traces = {world: run_ranks(world, lambda group: head_step(group, spec, embeddings, labels)) for world in (1, 2, 3)}
     loss, grad, _ = traces[1][0]
@@ -138,7 +140,7 @@ def test_loss_and_embedding_gradient_are_the_same_at_one_two_and_three_ranks():
             assert float((rank_grad - grad).norm() / grad.norm()) <= 1e-6  # fp32 sums in another order
 
 
-TRACE_SPEC = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=15)
+TRACE_SPEC = dict(name="cosface", scale=16.0, margin=0.2, negatives=15)
 
 
 def head_steps(head: ShardedMarginHead, rows: SparseRowSGD, steps: range) -> list[float]:
@@ -156,7 +158,7 @@ def head_steps(head: ShardedMarginHead, rows: SparseRowSGD, steps: range) -> lis
 def train_trace(world: int, steps: range, state: dict | None = None, *, weight_decay: float = 0.01):
     """Losses of a few head-only steps at ``world`` ranks (optionally from a saved state); the state after."""
     def work(group):
-        head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
+        head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=weight_decay)
         if state is not None:
             rows.load_state_dict(state)
@@ -183,7 +185,7 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     straight, _ = train_trace(1, range(6))
 
     def before(group):
-        head = ShardedMarginHead(C, D, TRACE_SPEC, group, seed=1)
+        head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
         return head_steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict(everywhere=True))
 
@@ -203,10 +205,10 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
 
 
 def test_a_reset_before_the_first_step_rebuilds_the_initial_rows_of_the_new_range():
-    spec = HeadSpec(name="cosface", negatives=15)
-    fresh = {rank: ShardedMarginHead(C, D, spec, Member(ThreadGroup(2), rank), seed=1).rows for rank in range(2)}
+    spec = dict(name="cosface", negatives=15)
+    fresh = {rank: ShardedMarginHead(C, D, Member(ThreadGroup(2), rank), **spec, seed=1).rows for rank in range(2)}
     for old_rank in (0, 2):
-        head = ShardedMarginHead(C, D, spec, Member(ThreadGroup(3), old_rank), seed=1)
+        head = ShardedMarginHead(C, D, Member(ThreadGroup(3), old_rank), **spec, seed=1)
         rows = SparseRowSGD(head, momentum=0.9)
         head.collectives = Member(ThreadGroup(2), old_rank // 2)
         rows.reshard(None)
@@ -221,14 +223,15 @@ def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_
     from types import SimpleNamespace
 
     from pksampler.train.engine.elastic import choose_run_mode
-    from pksampler.train.run_setup import _with_head
 
     monkeypatch.setenv("HOROVOD_ELASTIC", "1")
     config = load_config(None, ["head.name=arcface", "train.gather_embeddings=false"], environ={})
     backend = SimpleNamespace(name="horovod", size=1, rank=0)
     mode = choose_run_mode(backend, commit_every=config.train.commit_every)
+    assert mode.keeps_commits and mode.world_may_change
     with pytest.raises(ConfigError, match="a sharded head needs train.gather_embeddings: true"):
-        _with_head(config, backend, mode, data=None, pair=None)
+        HeadedLoss.from_config(config, backend, None, num_classes=10, global_batch=64, row_optimizer=SparseRowSGD,
+                               gathered=config.train.gather_embeddings, elastic=mode.keeps_commits)
 
 
 def test_the_checkpoint_loads_with_weights_only(tmp_path):
@@ -239,7 +242,7 @@ def test_the_checkpoint_loads_with_weights_only(tmp_path):
 
 
 def test_only_the_sampled_rows_and_their_momentum_change_and_lazy_decay_is_exact():
-    spec = HeadSpec(name="softmax", scale=8.0, negatives=5)
+    spec = dict(name="softmax", scale=8.0, negatives=5)
     (result,) = run_ranks(1, lambda group: _sparse_steps(group, spec))
     untouched_ok, decayed, eager = result
     assert untouched_ok
@@ -247,7 +250,7 @@ def test_only_the_sampled_rows_and_their_momentum_change_and_lazy_decay_is_exact
 
 
 def _sparse_steps(group, spec):
-    head = ShardedMarginHead(C, D, spec, group, seed=2)
+    head = ShardedMarginHead(C, D, group, **spec, seed=2)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.1)
     eager_rows, eager_momentum = head.rows.clone(), torch.zeros_like(head.rows)
     untouched_ok = True
@@ -270,9 +273,9 @@ def _sparse_steps(group, spec):
 
 
 def test_per_rank_memory_is_the_rows_share():
-    spec = HeadSpec(subcentres=2)
+    spec = dict(subcentres=2)
     for world in (1, 2, 4):
-        heads = [ShardedMarginHead(1003, 16, spec, Member(ThreadGroup(world), rank)) for rank in range(world)]
+        heads = [ShardedMarginHead(1003, 16, Member(ThreadGroup(world), rank), **spec) for rank in range(world)]
         assert [h.memory_bytes() for h in heads] == [(shard_range(1003, world, r)[1] - shard_range(1003, world, r)[0])
                                                      * 2 * 16 * 4 for r in range(world)]
         assert max(h.memory_bytes() for h in heads) == -(-1003 // world) * 2 * 16 * 4
@@ -303,11 +306,11 @@ class _CentreDistance(torch.nn.Module):
         return (distance[same].mean() - distance[~same].mean() + self.margin).relu()
 
 
-def neck_step(world: int, spec: HeadSpec, embeddings: torch.Tensor, labels: torch.Tensor):
+def neck_step(world: int, spec: dict, embeddings: torch.Tensor, labels: torch.Tensor):
     """One trainer-like step per rank: loss × W backward on the gathered batch; loss, embedding and neck gradients."""
 
     def work(group):
-        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        head = ShardedMarginHead(C, D, group, **spec, seed=1)
         loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head, grad_divisor=world), weight=0.7,
                              neck=BNNeck(D, grad_divisor=world))
         leaf = embeddings.clone().requires_grad_(True)
@@ -320,11 +323,11 @@ def neck_step(world: int, spec: HeadSpec, embeddings: torch.Tensor, labels: torc
 
 
 def test_bnneck_the_head_reads_the_normalised_embeddings_and_the_pair_loss_the_embeddings():
-    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
+    spec = dict(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
     embeddings, labels = inputs(5)
     (loss, _, _, bias_grad, loss_fn), = neck_step(1, spec, embeddings, labels)
     normalised = (embeddings - embeddings.mean(0)) / torch.sqrt(embeddings.var(0, unbiased=False) + 1e-5)
-    head = ShardedMarginHead(C, D, spec, run_ranks(1, lambda group: group)[0], seed=1)
+    head = ShardedMarginHead(C, D, run_ranks(1, lambda group: group)[0], **spec, seed=1)
     with torch.no_grad():
         expected = float(_CentreDistance()(embeddings, labels) + 0.7 * head(normalised, labels))
         without = float(_CentreDistance()(embeddings, labels) + 0.7 * head(embeddings, labels))
@@ -334,7 +337,7 @@ def test_bnneck_the_head_reads_the_normalised_embeddings_and_the_pair_loss_the_e
 
 
 def test_bnneck_loss_and_gradients_are_the_same_at_one_two_and_three_ranks():
-    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=20, subcentres=2)
+    spec = dict(name="cosface", scale=16.0, margin=0.2, negatives=20, subcentres=2)
     embeddings, labels = inputs(6)
     (loss, grad, neck_grad, _, _), = neck_step(1, spec, embeddings, labels)
     assert float(neck_grad.norm()) > 0
@@ -347,7 +350,7 @@ def test_bnneck_loss_and_gradients_are_the_same_at_one_two_and_three_ranks():
 
 
 def test_bnneck_state_is_saved_loads_with_weights_only_and_must_match(tmp_path):
-    spec = HeadSpec(name="softmax", scale=16.0, negatives=20)
+    spec = dict(name="softmax", scale=16.0, negatives=20)
     embeddings, labels = inputs(7)
 
     def save(group):
@@ -360,7 +363,7 @@ def test_bnneck_state_is_saved_loads_with_weights_only_and_must_match(tmp_path):
     saved = torch.load(tmp_path / "loss.pt", weights_only=True)
 
     def load(group, *, neck: bool):
-        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        head = ShardedMarginHead(C, D, group, **spec, seed=1)
         loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head), weight=1.0, neck=BNNeck(D) if neck else None)
         loss_fn.load_state_dict(saved)
         return loss_fn
@@ -383,11 +386,11 @@ def test_bnneck_config_key_is_checked():
 def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
     """12 steps of pair loss + head through the neck: rows (momentum, lazy decay, a settle at step 6) and the neck's
     scale (torch SGD) trained at W = 1, 2, 3, each rank's loss scaled by W as the trainer does."""
-    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=8, subcentres=2)
+    spec = dict(name="arcface", scale=16.0, margin=0.2, negatives=8, subcentres=2)
 
     def work(group):
         world = group.size
-        head = ShardedMarginHead(C, D, spec, group, seed=1)
+        head = ShardedMarginHead(C, D, group, **spec, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01, grad_divisor=world)
         loss_fn = HeadedLoss(_CentreDistance(), head, rows, weight=1.0, neck=BNNeck(D, grad_divisor=world))
         optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.5, momentum=0.9)
@@ -409,17 +412,20 @@ def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
     for world in (2, 3):
         for trace, rank_scale in run_ranks(world, work):
             assert np.allclose(trace, reference, rtol=1e-6, atol=0), (world, trace, reference)
-            assert torch.allclose(rank_scale, scale, rtol=1e-6, atol=1e-7)
+            # small rows take large steps and the scale moves far from 1 (to 7): fp32 sums in another order leave
+            # 1e-5 of it (the losses agree to 1e-6)
+            assert torch.allclose(rank_scale, scale, rtol=1e-4, atol=1e-7), float(((rank_scale - scale).abs()
+                                                                                   / scale.abs()).max())
 
 
 # --- loss.weight: the pair loss against the head; 0 trains the head alone ---------------------------------------------
 def test_the_pair_weight_mixes_the_losses_and_zero_trains_the_head_alone():
-    spec = HeadSpec(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
+    spec = dict(name="arcface", scale=16.0, margin=0.2, negatives=10 * C)
     embeddings, labels = inputs()
 
     def step(pair_weight: float):
         def work(group):
-            head = ShardedMarginHead(C, D, spec, group, seed=1)
+            head = ShardedMarginHead(C, D, group, **spec, seed=1)
             pair = _CentreDistance()
             pair.margin.data.fill_(10.0)  # a pair loss above zero on these inputs
             loss_fn = HeadedLoss(pair, head, SparseRowSGD(head), weight=0.7, pair_weight=pair_weight)
@@ -453,23 +459,24 @@ def test_the_pair_weight_is_checked(tmp_path):
     assert result.global_step == 2
 
 
-def test_the_rows_learn_at_the_head_groups_lr_times_lr_scale():
-    spec = HeadSpec(name="cosface", scale=16.0, margin=0.2, negatives=10 * C)
+def test_the_rows_learn_at_their_own_rate_times_the_schedules_factor():
+    spec = dict(name="cosface", scale=16.0, margin=0.2, negatives=10 * C)
     embeddings, labels = inputs()
 
-    def moved(lr_scale: float) -> torch.Tensor:
+    def moved(lr: float, factor: float) -> torch.Tensor:
         def work(group):
-            head = ShardedMarginHead(C, D, spec, group, seed=1)
-            rows = SparseRowSGD(head, momentum=0.0, lr_scale=lr_scale)
+            head = ShardedMarginHead(C, D, group, **spec, seed=1)
+            rows = SparseRowSGD(head, lr=lr, momentum=0.0)
             before = head.rows.clone()
             head(embeddings, labels).backward()
-            rows.step(0.01)
+            rows.scheduled_step(factor)
             return head.rows - before
 
         return run_ranks(1, work)[0]
 
-    one, three = moved(1.0), moved(3.0)
-    # rows ~1 move by ~1e-3: fp32 cancellation in the differences leaves ~1e-4 relative noise
-    assert one.abs().sum() > 0 and torch.allclose(three, 3 * one, rtol=1e-3, atol=1e-7)
-    with pytest.raises(ConfigError, match=r"head.lr_scale: must be a finite number > 0, got 0"):
-        load_config(None, ["head.lr_scale=0"], environ={})
+    one = moved(0.01, 1.0)
+    # fp32 cancellation in the differences leaves ~1e-4 relative noise
+    assert one.abs().sum() > 0 and torch.allclose(moved(0.03, 1.0), 3 * one, rtol=1e-3, atol=1e-7)
+    assert torch.allclose(moved(0.01, 0.5), 0.5 * one, rtol=1e-3, atol=1e-7)
+    with pytest.raises(ConfigError, match=r"head.lr: must be a finite number > 0, got 0"):
+        load_config(None, ["head.lr=0"], environ={})

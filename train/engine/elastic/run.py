@@ -55,7 +55,7 @@ from pksampler.train.engine.trainer import HookBase, Trainer, TrainState, replay
 from pksampler.train.engine.writers import CommittedJSONWriter, EventWriter, OnMainRankWriter, WriterHook
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock
-from pksampler.train.solver.sparse_rows import HeadedLoss
+from pksampler.train.losses.headed import HeadedLoss
 
 __all__ = ["ELASTIC_TIMEOUT_ENV", "HorovodElasticMode", "REJOIN_EXIT_STATUS", "TAKE_OVER_WAIT_SECONDS",
            "elastic_launch", "loop_position", "rejoin_timeout"]
