@@ -215,5 +215,8 @@ def test_chunked_steps_with_the_sharded_head_train_what_whole_steps_train(tmp_pa
     head_whole, head_chunked = whole["loss"]["head"], chunked["loss"]["head"]
     for key, want in head_whole.items():
         if isinstance(want, torch.Tensor) and want.is_floating_point():
-            assert torch.allclose(head_chunked[key], want, rtol=1e-5, atol=1e-6), key
+            # float32 sums in another order: the error is relative to the tensor's scale (the small rows' momentum
+            # reaches ~10, since a normalised row's gradient grows as 1/|w|)
+            scale = float(want.abs().max()) if want.numel() else 0.0
+            assert torch.allclose(head_chunked[key], want, rtol=1e-5, atol=max(1e-6, 1e-5 * scale)), key
     assert head_whole["momentum"].abs().sum() > 0  # the rows did move
