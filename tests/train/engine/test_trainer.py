@@ -21,17 +21,10 @@ from pksampler.train.engine.hooks import HookBase
 from pksampler.train.run_setup import train
 from pksampler.train.engine.trainer import TrainingDiverged
 from pksampler.train.runtime.workspace import WorkspaceLock
+from tiny_runs import TINY as SHARED_TINY
 
 ROOT = Path(__file__).resolve().parents[3]
-TINY = [
-    "seed=3",
-    "data.args={num_classes: 24, images_per_class: 6, image_size: 32}",
-    "data.image_size=24", "data.workers=0",
-    "sampler.classes_per_step=4", "sampler.samples_per_class=3",
-    "model.width=8", "model.depth=[1, 1]", "model.embedding_dim=16",
-    "loss.name=batch_hard", "optim.lr=0.003", "optim.base_batch=12", "optim.warmup_steps=3",
-    "train.epochs=2", "train.eval_every=1", "train.checkpoint_every=4", "train.gallery_queries=3",
-]
+TINY = [*SHARED_TINY, "train.eval_every=1", "train.checkpoint_every=4", "train.tensorboard=null"]
 
 
 def tiny(tmp_path: Path, *extra: str, name: str = "run"):

@@ -15,17 +15,7 @@ from pksampler.train.engine.hooks import FreezeBackboneHook
 from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
 from pksampler.train.modeling.model import build_model
 from pksampler.train.run_setup import train
-
-TINY = [
-    "seed=3",
-    "data.args={num_classes: 24, images_per_class: 6, image_size: 32}",
-    "data.image_size=24", "data.workers=0",
-    "sampler.classes_per_step=4", "sampler.samples_per_class=3",
-    "model.width=8", "model.depth=[1, 1]", "model.embedding_dim=16",
-    "loss.name=batch_hard", "optim.lr=0.003", "optim.base_batch=12", "optim.warmup_steps=3",
-    "train.epochs=2", "train.eval_every=2", "train.checkpoint_every=0", "train.gallery_queries=3",
-    "train.tensorboard=false",
-]
+from tiny_runs import TINY
 
 
 def _config(*extra: str):

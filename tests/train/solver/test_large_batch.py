@@ -21,17 +21,9 @@ from pksampler.train.run_setup import train
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.solver.build import DEFAULT_SCALING, OPTIMIZERS, learning_rate, scaled_lr, scaling_rule
 from pksampler.train.solver.layerwise import Lamb, Lars
+from tiny_runs import TINY as SHARED_TINY
 
-TINY = [
-    "seed=3",
-    "data.args={num_classes: 24, images_per_class: 6, image_size: 32}",
-    "data.image_size=24", "data.workers=0",
-    "sampler.classes_per_step=4", "sampler.samples_per_class=3",
-    "model.width=8", "model.depth=[1, 1]", "model.embedding_dim=16",
-    "loss.name=batch_hard", "optim.lr=0.003", "optim.base_batch=3", "optim.warmup_steps=3",
-    "train.epochs=2", "train.eval_every=2", "train.checkpoint_every=0", "train.gallery_queries=3",
-    "train.tensorboard=false",
-]
+TINY = [*SHARED_TINY, "optim.base_batch=3"]
 
 
 def _config(*extra: str):

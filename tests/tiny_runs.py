@@ -1,0 +1,17 @@
+"""The smallest training run the trainer's unit tests share: 24 synthetic classes of 6 images, a two-stage net.
+
+Each test adds what it is about (``*extra`` overrides, last wins): ``load_config(None, [*TINY, *extra])``.
+"""
+
+from __future__ import annotations
+
+TINY = [
+    "seed=3",
+    "data.args={num_classes: 24, images_per_class: 6, image_size: 32}",
+    "data.image_size=24", "data.workers=0",
+    "sampler.classes_per_step=4", "sampler.samples_per_class=3",
+    "model.width=8", "model.depth=[1, 1]", "model.embedding_dim=16",
+    "loss.name=batch_hard", "optim.lr=0.003", "optim.base_batch=12", "optim.warmup_steps=3",
+    "train.epochs=2", "train.eval_every=2", "train.checkpoint_every=0", "train.gallery_queries=3",
+    "train.tensorboard=false",
+]
