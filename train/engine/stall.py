@@ -3,7 +3,7 @@
 A margin head that does not learn looks like any other run from outside: the
 total loss moves (the pair loss learns), the head's own loss sits at about
 ln(sampled classes) and, meanwhile, it can pull every embedding onto one
-direction (issue: R@1 0.005 with the head on). :class:`HeadStallHook`
+direction (R@1 0.005 with such a head on the typeface set). :class:`HeadStallHook`
 compares the mean of the head's loss over the last ``window`` steps, at step
 ``after_steps``, with its mean over the first ``window`` steps, and prints one
 line naming the numbers and the keys to look at when it has fallen by less
