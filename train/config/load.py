@@ -91,6 +91,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(names), key=str)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        removed = REMOVED_KEYS.get(f"{where}{unknown[0]}")
+        if removed is not None:
+            raise ConfigError(f"{where}{unknown[0]}: this key was removed, {removed}; delete it from the config")
         raise ConfigError(f"unknown config key {where}{unknown[0]!r} "
                           f"(known keys under {prefix or 'the top level'}: {sorted(names)})")
     values = {name: _convert(data[name], hints[name], f"{prefix}.{name}" if prefix else name)
