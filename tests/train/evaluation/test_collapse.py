@@ -16,7 +16,8 @@ from test_sharded_head import run_ranks  # noqa: E402
 
 from pksampler.train.engine.plots import curves_figure  # noqa: E402
 from pksampler.train.engine.stall import HeadStallHook  # noqa: E402
-from pksampler.train.evaluation.collapse import collapse_metrics, effective_rank, sampled_collapse_metrics  # noqa: E402
+from pksampler.train.evaluation.collapse import (  # noqa: E402
+    COLLAPSE_KEYS, collapse_metrics, effective_rank, sampled_collapse_metrics)
 
 
 def _brute_force(x: np.ndarray, labels: np.ndarray) -> tuple[float, float, float]:
@@ -98,3 +99,13 @@ def test_the_curves_show_the_collapse_metrics():
         import matplotlib.pyplot as plt
 
         plt.close(figure)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_embeddings_give_nan_metrics_not_a_healthy_spread_or_a_crash(bad):
+    # NaN rows were read as zero rows (rank 0, cosines 0: "no collapse"); an infinite one stopped the SVD
+    x = np.random.default_rng(0).standard_normal((6, 4))
+    x[2, 1] = bad
+    metrics = collapse_metrics(x, np.array([0, 0, 1, 1, 2, 2]))
+    assert set(metrics) == set(COLLAPSE_KEYS)
+    assert all(np.isnan(value) for value in metrics.values()), metrics
