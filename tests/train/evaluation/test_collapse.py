@@ -109,3 +109,19 @@ def test_non_finite_embeddings_give_nan_metrics_not_a_healthy_spread_or_a_crash(
     metrics = collapse_metrics(x, np.array([0, 0, 1, 1, 2, 2]))
     assert set(metrics) == set(COLLAPSE_KEYS)
     assert all(np.isnan(value) for value in metrics.values()), metrics
+
+
+def test_the_score_axis_shows_the_lowest_mean_cosine_of_any_series():
+    # each cosine series set the axis from its own minimum, so a later series with a higher one cut off an earlier
+    # negative mean (other-class cosines below 0 are what a healthy space shows)
+    figure = curves_figure([1, 2, 3], [3.0, 2.0, 1.5], [1, 2], [0.2, 0.4], [0.1, 0.2],
+                           collapse={"mean_cosine": [-0.4, -0.3], "mean_cosine_same": [0.6, 0.8],
+                                     "mean_cosine_other": [0.2, 0.3]})
+    try:
+        score = next(axes for axes in figure.axes if any(line.get_label() == "mean cosine (all)"
+                                                          for line in axes.get_lines()))
+        assert score.get_ylim()[0] <= -0.4
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
