@@ -374,9 +374,10 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.T
     """Clip the global L2 norm of every gradient the optimizer holds to ``max_norm``; the norm before clipping.
 
     Called on reduced gradients (after Horovod's ``synchronize()``, after DDP's backward), so every rank clips
-    by the same norm and the ranks stay in step.
+    by the same norm and the ranks stay in step. A group at rate 0 (the backbone under
+    ``model.freeze_backbone_steps``) is left out: its gradient moves nothing and would shrink the others'.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    params = [p for group in optimizer.param_groups if group["lr"] > 0 for p in group["params"] if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 
