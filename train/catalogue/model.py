@@ -34,7 +34,7 @@ from pksampler.datasets import CenterView, ToUint8
 from pksampler.datasets.transforms import IMAGENET_MEAN, IMAGENET_STD
 
 from pksampler.train.builders import eval_size
-from pksampler.train.config.load import build_config
+from pksampler.train.config.load import saved_config
 from pksampler.train.engine.checkpoint import CheckpointError
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.model import build_model
@@ -150,7 +150,7 @@ def load_model(checkpoint: str | Path, *, argument: str = "--checkpoint") -> Loa
     if not isinstance(state.get("model"), dict) or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"{argument}: {path} holds no 'model' and 'config' sections; pass a best.pt or "
                               "last.pt written by train/retrieval.py")
-    config = build_config(state["config"])
+    config = saved_config(state["config"])
     network = build_model(config.model, image_size=config.data.image_size)
     try:
         network.load_state_dict(state["model"])

@@ -91,6 +91,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(names), key=str)
     if unknown:
         where = f"{prefix}." if prefix else ""
+        removed = REMOVED_KEYS.get(f"{where}{unknown[0]}")
+        if removed is not None:
+            raise ConfigError(f"{where}{unknown[0]}: this key was removed, {removed}; delete it from the config")
         raise ConfigError(f"unknown config key {where}{unknown[0]!r} "
                           f"(known keys under {prefix or 'the top level'}: {sorted(names)})")
     values = {name: _convert(data[name], hints[name], f"{prefix}.{name}" if prefix else name)
@@ -98,11 +101,35 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**values)
 
 
+#: keys removed from the schema, and what replaced them (a config file that sets one is told)
+REMOVED_KEYS: dict[str, str] = {
+    "head.lr_scale": "replaced by head.lr, head.momentum and head.weight_decay (the rows' own SGD, not a multiple "
+                     "of AdamW's rate; docs/sharded-head.md)",
+}
+#: keys added after checkpoints were written, and the value every run before the key had
+ADDED_KEYS: dict[str, Any] = {"model.projection_bias": True}
+
+
 def build_config(tree: Mapping[str, Any]) -> RunConfig:
-    """A validated RunConfig from a plain nested mapping (e.g. a checkpoint's saved config)."""
+    """A validated RunConfig from a plain nested mapping (a config file's; a checkpoint's: :func:`saved_config`)."""
     config = _build(RunConfig, tree, "")
     validate(config)
     return resolve_head_defaults(config)
+
+
+def saved_config(tree: Mapping[str, Any]) -> RunConfig:
+    """The RunConfig of a checkpoint's saved config, which may predate the schema: a removed key is dropped (it
+    trained the run, it does not describe the network) and an added key takes the value its run had."""
+    tree = {section: dict(value) if isinstance(value, Mapping) else value for section, value in tree.items()}
+    for key in REMOVED_KEYS:
+        section, name = key.split(".")
+        if isinstance(tree.get(section), dict):
+            tree[section].pop(name, None)
+    for key, value in ADDED_KEYS.items():
+        section, name = key.split(".")
+        if isinstance(tree.get(section), dict):
+            tree[section].setdefault(name, value)
+    return build_config(tree)
 
 
 def _read_yaml(path: Path) -> dict:

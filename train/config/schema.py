@@ -363,6 +363,15 @@ def _check_head(config: RunConfig) -> None:
     if config.head.name is not None and config.train.backward_passes_per_step != 1:
         raise ConfigError("head.name: a sharded head needs train.backward_passes_per_step: 1 (use train.chunk_size "
                           f"for batches larger than memory), got {config.train.backward_passes_per_step}")
+    if config.head.name is not None:
+        sampler = config.sampler
+        images = 3 * sampler.triplets_per_step if sampler.name == "triplet" else \
+            sampler.classes_per_step * sampler.samples_per_class
+        rate = config.head.lr * images / config.optim.base_batch  # the rows' peak rate (HeadedLoss.from_config)
+        if rate * config.head.weight_decay >= 1:
+            raise ConfigError(f"head.weight_decay: {config.head.weight_decay!r} times the rows' rate {rate:g} (head.lr "
+                              f"{config.head.lr!r} × {images} images / optim.base_batch {config.optim.base_batch}) "
+                              "must be below 1: each step scales a row by 1 − rate × decay, which would zero or flip it")
 
 
 def resolve_head_defaults(config: RunConfig) -> RunConfig:

@@ -148,12 +148,14 @@ _COSINES = (("mean_cosine", "mean cosine (all)", "tab:grey"), ("mean_cosine_same
 
 def _collapse_lines(axes: Any, epochs: np.ndarray, collapse: Mapping[str, Sequence[float]]) -> None:
     """The mean cosines (dashed, on the score axis) and the effective rank (on a second axis) per evaluation."""
+    lowest = 0.0  # the axis reaches the lowest mean of every series (negative cosines included)
     for key, label, colour in _COSINES:
         if key in collapse:
             values = _series(key, collapse[key], epochs.size)
             if values.size and np.isfinite(values).any():
                 axes.plot(epochs, values, linestyle="--", marker=".", color=colour, label=label)
-                axes.set_ylim(min(0.0, float(np.nanmin(values)) - 0.05), 1.05)
+                lowest = min(lowest, float(np.nanmin(values)) - 0.05)
+                axes.set_ylim(lowest, 1.05)
     if "effective_rank" in collapse:
         rank = _series("effective_rank", collapse["effective_rank"], epochs.size)
         if rank.size and np.isfinite(rank).any():

@@ -323,6 +323,8 @@ class Trainer:
     def optimizer_step(self) -> None:
         """Apply the reduced gradients (clipped, through the GradScaler in fp16), advance the schedule, check the loss."""
         parts, backend, state = self.parts, self.parts.backend, self.state
+        # the factor this step's backward carried, read before update() changes it: the rows unscale by it
+        grad_scale = parts.scaler.get_scale() if parts.scaler is not None else 1.0
         if parts.scaler is None and parts.clip_grad_norm is None:
             parts.optimizer.step()
         else:
@@ -343,7 +345,7 @@ class Trainer:
         group = parts.optimizer.param_groups[0]
         factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
         for rows in parts.row_optimizers:
-            rows.scheduled_step(factor)
+            rows.scheduled_step(factor, grad_scale=grad_scale)
         parts.optimizer.zero_grad()
         parts.scheduler.step()
         state.global_step += 1
@@ -372,9 +374,10 @@ def clip_gradients(optimizer: torch.optim.Optimizer, max_norm: float) -> torch.T
     """Clip the global L2 norm of every gradient the optimizer holds to ``max_norm``; the norm before clipping.
 
     Called on reduced gradients (after Horovod's ``synchronize()``, after DDP's backward), so every rank clips
-    by the same norm and the ranks stay in step.
+    by the same norm and the ranks stay in step. A group at rate 0 (the backbone under
+    ``model.freeze_backbone_steps``) is left out: its gradient moves nothing and would shrink the others'.
     """
-    params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    params = [p for group in optimizer.param_groups if group["lr"] > 0 for p in group["params"] if p.grad is not None]
     return torch.nn.utils.clip_grad_norm_(params, max_norm)
 
 

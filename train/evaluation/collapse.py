@@ -54,13 +54,16 @@ def collapse_metrics(embeddings: np.ndarray, labels: np.ndarray) -> dict[str, fl
 
     Rows are L2-normalised first (a zero row stays zero). Pair means are over
     distinct items (i ≠ j), computed from class sums in O(N·D): Σ_{i≠j} xᵢ·xⱼ
-    = ‖Σx‖² − Σ‖x‖². A mean with no pair (one class only, singleton classes) is NaN.
+    = ‖Σx‖² − Σ‖x‖². A mean with no pair (one class only, singleton classes) is NaN;
+    every metric is NaN when an embedding is NaN or infinite (a diverged model has no spread to measure).
     """
     x = np.asarray(embeddings, dtype=np.float64)
     labels = np.asarray(labels)
     if x.ndim != 2 or labels.shape != (x.shape[0],):
         raise ValueError(f"collapse_metrics: embeddings (N, D) and labels (N,) expected, got {x.shape} and "
                          f"{labels.shape}")
+    if not np.isfinite(x).all():
+        return dict.fromkeys(COLLAPSE_KEYS, float("nan"))
     norms = np.linalg.norm(x, axis=1, keepdims=True)
     x = np.divide(x, norms, out=np.zeros_like(x), where=norms > 0)
     squares = float((x * x).sum())

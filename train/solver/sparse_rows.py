@@ -64,18 +64,27 @@ class SparseRowSGD:
         factor = torch.exp(self._log[self.steps] - self._log[steps])
         return factor.to(device=self.head.rows.device, dtype=self.head.rows.dtype)
 
-    def scheduled_step(self, factor: float) -> None:
-        """One step at ``lr · factor``, ``factor`` the run's warm-up/cosine schedule now (the trainer's call)."""
-        self.step(self.lr * factor)
+    def scheduled_step(self, factor: float, *, grad_scale: float = 1.0) -> None:
+        """One step at ``lr · factor``, ``factor`` the run's warm-up/cosine schedule now (the trainer's call);
+        ``grad_scale``: the GradScaler's factor this step's backward carried (fp16), 1 without one."""
+        self.step(self.lr * factor, grad_scale=grad_scale)
 
-    def step(self, lr: float) -> None:
-        """Apply the pending gradient of the sampled rows at learning rate ``lr``."""
+    def step(self, lr: float, *, grad_scale: float = 1.0) -> None:
+        """Apply the pending gradient of the sampled rows at learning rate ``lr``, divided by ``grad_scale``.
+
+        A non-finite gradient under a GradScaler (``grad_scale`` != 1: an fp16 overflow, whose dense step the
+        scaler skips) skips the rows' step too: no update, no decay; the step still counts."""
         pending, self.head.pending = self.head.pending, None
+        grad = None
+        if pending is not None and pending[1].grad is not None:
+            grad = pending[1].grad / (self.grad_divisor * grad_scale)
+            if grad_scale != 1.0 and not bool(torch.isfinite(grad).all()):
+                grad, lr = None, 0.0
         self._record(lr)
         self.head.step += 1
-        if pending is None or pending[1].grad is None:
+        if grad is None:
             return
-        rows, grad = pending[0], pending[1].grad / self.grad_divisor
+        rows = pending[0]
         host = rows.cpu()
         weights = self.head.rows[rows] * self._decay_since(host)[:, None, None]
         buffer = self.buffer[rows] * self.momentum + grad

@@ -171,3 +171,22 @@ def test_collective_timeout_has_sane_bounds_named_in_the_error(value):
     with pytest.raises(ConfigError, match=r"train\.collective_timeout: must be in \[1, 604800\]"):
         load_config(None, [f"train.collective_timeout={value}"], environ={})
     assert load_config(None, ["train.collective_timeout=604800"], environ={}).train.collective_timeout == 604800
+
+
+def test_a_removed_key_in_a_config_file_says_what_replaced_it(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("head:\n  name: arcface\n  lr_scale: 25\n")
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    message = str(error.value)
+    assert "head.lr_scale" in message and "removed" in message
+    assert all(key in message for key in ("head.lr", "head.momentum", "head.weight_decay"))
+
+
+@pytest.mark.parametrize("decay", ["0.5", "20"])
+def test_a_head_decay_that_would_zero_or_flip_its_rows_is_refused(decay):
+    # the rows decay by (1 - rate · head.weight_decay) a step, rate = head.lr · images / optim.base_batch;
+    # at 1 or above the lazy log-product is log(0) or log of a negative: every row became NaN
+    with pytest.raises(ConfigError, match=r"head.weight_decay: .* must be below 1"):
+        load_config(None, ["head.name=arcface", "head.lr=4", f"head.weight_decay={decay}"], environ={})
+    load_config(None, ["head.name=arcface", "head.lr=4", "head.weight_decay=0.01"], environ={})

@@ -323,3 +323,19 @@ def test_no_resume_in_a_used_workspace_leaves_nothing_of_the_old_run(tmp_path):
     assert _step_lines(tmp_path / "run") == [1, 2] and old_steps > 2
     assert not (tmp_path / "run" / "checkpoints" / "best.pt").exists()
     assert not (tmp_path / "run" / "final_metrics.json").exists()
+
+
+def test_the_clip_reads_the_gradients_a_step_applies_not_a_frozen_groups():
+    # model.freeze_backbone_steps holds the backbone group at lr 0: its gradient (the largest) moved nothing but
+    # counted in the clipped norm, so the new parameters, the ones a frozen phase trains, were clipped by it
+    from pksampler.train.engine.trainer import clip_gradients
+
+    head, trunk = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    optimizer = torch.optim.SGD([{"params": [head], "lr": 0.1, "name": "head"},
+                                 {"params": [trunk], "lr": 0.0, "name": "backbone"}])
+    head.grad, trunk.grad = torch.full((4,), 0.5), torch.full((4,), 100.0)
+    clip_gradients(optimizer, 5.0)
+    assert torch.equal(head.grad, torch.full((4,), 0.5))  # norm 1 <= 5: not clipped
+    optimizer.param_groups[1]["lr"] = 0.1  # thawed: both count
+    clip_gradients(optimizer, 5.0)
+    assert float(torch.cat([head.grad, trunk.grad]).norm()) == pytest.approx(5.0, rel=1e-5)

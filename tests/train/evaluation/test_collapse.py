@@ -16,7 +16,8 @@ from test_sharded_head import run_ranks  # noqa: E402
 
 from pksampler.train.engine.plots import curves_figure  # noqa: E402
 from pksampler.train.engine.stall import HeadStallHook  # noqa: E402
-from pksampler.train.evaluation.collapse import collapse_metrics, effective_rank, sampled_collapse_metrics  # noqa: E402
+from pksampler.train.evaluation.collapse import (  # noqa: E402
+    COLLAPSE_KEYS, collapse_metrics, effective_rank, sampled_collapse_metrics)
 
 
 def _brute_force(x: np.ndarray, labels: np.ndarray) -> tuple[float, float, float]:
@@ -94,6 +95,32 @@ def test_the_curves_show_the_collapse_metrics():
         labels = {line.get_label() for axes in figure.axes for line in axes.get_lines()}
         assert {"mean cosine (all)", "mean cosine (same class)", "mean cosine (other class)",
                 "effective rank"} <= labels
+    finally:
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_non_finite_embeddings_give_nan_metrics_not_a_healthy_spread_or_a_crash(bad):
+    # NaN rows were read as zero rows (rank 0, cosines 0: "no collapse"); an infinite one stopped the SVD
+    x = np.random.default_rng(0).standard_normal((6, 4))
+    x[2, 1] = bad
+    metrics = collapse_metrics(x, np.array([0, 0, 1, 1, 2, 2]))
+    assert set(metrics) == set(COLLAPSE_KEYS)
+    assert all(np.isnan(value) for value in metrics.values()), metrics
+
+
+def test_the_score_axis_shows_the_lowest_mean_cosine_of_any_series():
+    # each cosine series set the axis from its own minimum, so a later series with a higher one cut off an earlier
+    # negative mean (other-class cosines below 0 are what a healthy space shows)
+    figure = curves_figure([1, 2, 3], [3.0, 2.0, 1.5], [1, 2], [0.2, 0.4], [0.1, 0.2],
+                           collapse={"mean_cosine": [-0.4, -0.3], "mean_cosine_same": [0.6, 0.8],
+                                     "mean_cosine_other": [0.2, 0.3]})
+    try:
+        score = next(axes for axes in figure.axes if any(line.get_label() == "mean cosine (all)"
+                                                          for line in axes.get_lines()))
+        assert score.get_ylim()[0] <= -0.4
     finally:
         import matplotlib.pyplot as plt
 

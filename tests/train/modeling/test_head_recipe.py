@@ -141,9 +141,9 @@ def test_the_rows_scheduled_step_follows_the_dense_schedule_in_the_trainer(tmp_p
     seen: list[float] = []
     original = SparseRowSGD.step
 
-    def spy(self, lr):
+    def spy(self, lr, **kwargs):
         seen.append(lr)
-        return original(self, lr)
+        return original(self, lr, **kwargs)
 
     tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
             "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
@@ -156,3 +156,49 @@ def test_the_rows_scheduled_step_follows_the_dense_schedule_in_the_trainer(tmp_p
         SparseRowSGD.step = original
     # global batch 8 for optim.base_batch 64: 0.3 · 8/64, times the warm-up's (t + 1)/4 that the dense step used
     assert np.allclose(seen, [0.3 * 8 / 64 * f for f in (1 / 4, 2 / 4, 3 / 4)])
+
+
+def test_under_a_grad_scaler_the_rows_step_on_the_unscaled_gradient_and_skip_an_overflowed_step(tmp_path,
+                                                                                               monkeypatch):
+    # fp16 (CUDA) scales the loss by the GradScaler's factor: the dense optimizer is unscaled, the rows were not
+    # (their SGD stepped on gradients 2**16 times too large). A CPU GradScaler in fp32 shows it: the rows after
+    # three steps must be those of the run without a scaler.
+    from pksampler.train.run_setup import train
+    from pksampler.train.runtime.device import DeviceSetup
+    from pksampler.train.runtime.distributed import Backend
+
+    def rows_after(scale: float | None) -> torch.Tensor:
+        kept: list[torch.Tensor] = []
+        original = SparseRowSGD.step
+
+        def spy(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            kept.append(self.head.rows.detach().clone())
+
+        monkeypatch.setattr(SparseRowSGD, "step", spy)
+        monkeypatch.setattr(DeviceSetup, "grad_scaler",
+                            lambda self: None if scale is None else torch.amp.GradScaler("cpu", init_scale=scale))
+        tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
+                "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+                "model.depth=[1]", "model.embedding_dim=8", f"workspace={tmp_path / str(scale)}", "head.name=arcface",
+                "optim.warmup_steps=1", "train.max_steps=3", "train.tensorboard=false", "seed=3"]
+        train(load_config(None, tiny, environ={}), Backend())
+        monkeypatch.setattr(SparseRowSGD, "step", original)
+        return kept[-1]
+
+    plain, scaled = rows_after(None), rows_after(2.0 ** 10)
+    assert torch.allclose(scaled, plain, rtol=1e-4, atol=1e-6), float((scaled - plain).abs().max())
+
+
+def test_a_row_step_with_a_non_finite_gradient_is_skipped_like_the_grad_scalers_dense_step():
+    embeddings, labels = inputs()
+
+    def work(group):
+        head = ShardedMarginHead(C, D, group, name="softmax", scale=16.0, negatives=10 * C, seed=1)
+        optimizer = SparseRowSGD(head, lr=0.1, weight_decay=0.01)
+        before = head.rows.clone()
+        (head(embeddings, labels) * float("inf")).backward()
+        optimizer.scheduled_step(1.0, grad_scale=2.0 ** 16)
+        optimizer.settle()
+        return bool(torch.equal(head.rows, before)), head.step
+    assert run_ranks(1, work)[0] == (True, 1)
