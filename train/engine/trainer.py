@@ -344,8 +344,10 @@ class Trainer:
                 parts.scaler.update()
         group = parts.optimizer.param_groups[0]
         factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
+        # GradScaler.update() lowers the scale exactly when it skipped the step for an overflow (every rank alike)
+        skipped = parts.scaler is not None and parts.scaler.get_scale() < grad_scale
         for rows in parts.row_optimizers:
-            rows.scheduled_step(factor, grad_scale=grad_scale)
+            rows.scheduled_step(factor, grad_scale=grad_scale, skipped=skipped)
         parts.optimizer.zero_grad()
         parts.scheduler.step()
         state.global_step += 1

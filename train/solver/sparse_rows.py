@@ -64,22 +64,24 @@ class SparseRowSGD:
         factor = torch.exp(self._log[self.steps] - self._log[steps])
         return factor.to(device=self.head.rows.device, dtype=self.head.rows.dtype)
 
-    def scheduled_step(self, factor: float, *, grad_scale: float = 1.0) -> None:
+    def scheduled_step(self, factor: float, *, grad_scale: float = 1.0, skipped: bool = False) -> None:
         """One step at ``lr · factor``, ``factor`` the run's warm-up/cosine schedule now (the trainer's call);
-        ``grad_scale``: the GradScaler's factor this step's backward carried (fp16), 1 without one."""
-        self.step(self.lr * factor, grad_scale=grad_scale)
+        ``grad_scale``: the GradScaler's factor this step's backward carried (fp16), 1 without one; ``skipped``:
+        the GradScaler skipped the dense step (an fp16 overflow), so the rows skip theirs."""
+        self.step(self.lr * factor, grad_scale=grad_scale, skipped=skipped)
 
-    def step(self, lr: float, *, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, *, grad_scale: float = 1.0, skipped: bool = False) -> None:
         """Apply the pending gradient of the sampled rows at learning rate ``lr``, divided by ``grad_scale``.
 
-        A non-finite gradient under a GradScaler (``grad_scale`` != 1: an fp16 overflow, whose dense step the
-        scaler skips) skips the rows' step too: no update, no decay; the step still counts."""
+        ``skipped`` (the GradScaler found an overflow in the reduced dense gradients, the same decision on every
+        rank): no update and no decay; the step still counts. A rank never decides this from its own rows alone,
+        so the ranks' decay logs stay equal."""
         pending, self.head.pending = self.head.pending, None
         grad = None
-        if pending is not None and pending[1].grad is not None:
+        if skipped:
+            lr = 0.0
+        elif pending is not None and pending[1].grad is not None:
             grad = pending[1].grad / (self.grad_divisor * grad_scale)
-            if grad_scale != 1.0 and not bool(torch.isfinite(grad).all()):
-                grad, lr = None, 0.0
         self._record(lr)
         self.head.step += 1
         if grad is None:

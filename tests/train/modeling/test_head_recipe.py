@@ -190,7 +190,7 @@ def test_under_a_grad_scaler_the_rows_step_on_the_unscaled_gradient_and_skip_an_
     assert torch.allclose(scaled, plain, rtol=1e-4, atol=1e-6), float((scaled - plain).abs().max())
 
 
-def test_a_row_step_with_a_non_finite_gradient_is_skipped_like_the_grad_scalers_dense_step():
+def test_a_row_step_the_grad_scaler_skipped_moves_no_row_and_decays_none_on_any_rank():
     embeddings, labels = inputs()
 
     def work(group):
@@ -198,7 +198,7 @@ def test_a_row_step_with_a_non_finite_gradient_is_skipped_like_the_grad_scalers_
         optimizer = SparseRowSGD(head, lr=0.1, weight_decay=0.01)
         before = head.rows.clone()
         (head(embeddings, labels) * float("inf")).backward()
-        optimizer.scheduled_step(1.0, grad_scale=2.0 ** 16)
+        optimizer.scheduled_step(1.0, grad_scale=2.0 ** 16, skipped=True)
         optimizer.settle()
-        return bool(torch.equal(head.rows, before)), head.step
-    assert run_ranks(1, work)[0] == (True, 1)
+        return bool(torch.equal(head.rows, before)), head.step, float(optimizer.log_decay[-1])
+    assert run_ranks(2, work) == [(True, 1, 0.0), (True, 1, 0.0)]
