@@ -47,3 +47,28 @@ def measure(function: Callable[[], Any], repeats: int = 3) -> tuple[float, int]:
         best = min(best, elapsed)
         peak_added = max(peak_added, peak[0] - baseline)
     return best, peak_added
+
+
+def stepped_head(classes: int):
+    """A Horovod rank's share of a ``classes`` × 128 fp32 ArcFace head after one step of 128 normalised embeddings
+    a rank (SGD, momentum 0.9, decay 5e-4): ``(backend, loss_fn)`` for the head benchmarks run under
+    horovodrun (its momentum holds values, as a trained head's would)."""
+    import torch
+    from torch.nn import functional as F
+
+    from pksampler.train.losses.headed import HeadedLoss
+    from pksampler.train.modeling.sharded_head import ShardedMarginHead
+    from pksampler.train.runtime.distributed import HorovodBackend
+    from pksampler.train.solver.sparse_rows import SparseRowSGD
+
+    torch.set_num_threads(1)
+    backend = HorovodBackend("cpu", "fp32")
+    head = ShardedMarginHead(classes, 128, backend, negatives=8192, seed=0)
+    rows = SparseRowSGD(head, momentum=0.9, weight_decay=5e-4)
+    loss_fn = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0, pair_weight=0.0)
+    generator = torch.Generator().manual_seed(backend.rank)
+    mine = F.normalize(torch.randn(128, 128, generator=generator), dim=1).requires_grad_(True)
+    labels = torch.randint(0, classes, (128,), generator=generator)
+    loss_fn(backend.allgather(mine), backend.allgather(labels)).backward()
+    rows.step(0.1)
+    return backend, loss_fn

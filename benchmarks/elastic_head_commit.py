@@ -33,29 +33,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import rss_bytes as _rss  # noqa: E402
+from _measure import rss_bytes as _rss, stepped_head  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
-    import torch
-    from torch.nn import functional as F
-
     from pksampler.train.engine.elastic import HeadHandler
-    from pksampler.train.modeling.sharded_head import ShardedMarginHead
-    from pksampler.train.runtime.distributed import HorovodBackend
-    from pksampler.train.losses.headed import HeadedLoss
-    from pksampler.train.solver.sparse_rows import SparseRowSGD
 
-    torch.set_num_threads(1)
-    backend = HorovodBackend("cpu", "fp32")
-    head = ShardedMarginHead(args.classes, 128, backend, negatives=8192, seed=0)
-    rows = SparseRowSGD(head, momentum=0.9, weight_decay=5e-4)
-    loss_fn = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0, pair_weight=0.0)
-    generator = torch.Generator().manual_seed(backend.rank)
-    mine = F.normalize(torch.randn(128, 128, generator=generator), dim=1).requires_grad_(True)
-    labels = torch.randint(0, args.classes, (128,), generator=generator)
-    loss_fn(backend.allgather(mine), backend.allgather(labels)).backward()
-    rows.step(0.1)
+    backend, loss_fn = stepped_head(args.classes)
     handler = HeadHandler(loss_fn, grad_divisor=lambda: float(backend.size))
     held: object = None
     before, seconds = _rss(), []

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from pksampler.train.config.load import ADDED_KEYS
 from pksampler.train.config.schema import local_keys, resumable_keys
 from pksampler.train.errors import ConfigError
 
@@ -35,10 +36,6 @@ RESUMABLE_KEYS = resumable_keys()
 
 #: keys that may differ between ranks, per-host resources (the schema's ``local`` fields)
 LOCAL_KEYS = local_keys()
-
-
-#: keys added after checkpoints were written, and the value those checkpoints' runs had
-_BEFORE_THE_KEY: dict[str, Any] = {"model.projection_bias": True}
 
 
 def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -105,7 +102,7 @@ def check_resume_compatible(saved: Mapping[str, Any], current: Mapping[str, Any]
             f"head.lr_scale={before['head.lr_scale']!r} times AdamW's rate), which head.lr, head.momentum and "
             "head.weight_decay replaced; its rows would continue under another optimizer. Start afresh with "
             "--no-resume or another WORKSPACE")
-    for key, value in _BEFORE_THE_KEY.items():  # a checkpoint written before the key existed ran with this value
+    for key, value in ADDED_KEYS.items():  # a checkpoint written before the key existed ran with this value
         before.setdefault(key, value)
     headless = before.get("head.name") is None and after.get("head.name") is None
     changed = sorted(k for k in set(before) | set(after)

@@ -323,8 +323,10 @@ class Trainer:
     def optimizer_step(self) -> None:
         """Apply the reduced gradients (clipped, through the GradScaler in fp16), advance the schedule, check the loss."""
         parts, backend, state = self.parts, self.parts.backend, self.state
-        # the factor this step's backward carried, read before update() changes it: the rows unscale by it
-        grad_scale = parts.scaler.get_scale() if parts.scaler is not None else 1.0
+        # the factor this step's backward carried, read before update() changes it: the rows unscale by it (read
+        # only for rows: get_scale() waits for the device)
+        scaled_rows = parts.scaler is not None and bool(parts.row_optimizers)
+        grad_scale = parts.scaler.get_scale() if scaled_rows else 1.0
         if parts.scaler is None and parts.clip_grad_norm is None:
             parts.optimizer.step()
         else:
@@ -345,7 +347,7 @@ class Trainer:
         group = parts.optimizer.param_groups[0]
         factor = group["lr"] / group["initial_lr"] if group.get("initial_lr") else 1.0
         # GradScaler.update() lowers the scale exactly when it skipped the step for an overflow (every rank alike)
-        skipped = parts.scaler is not None and parts.scaler.get_scale() < grad_scale
+        skipped = scaled_rows and parts.scaler.get_scale() < grad_scale
         for rows in parts.row_optimizers:
             rows.scheduled_step(factor, grad_scale=grad_scale, skipped=skipped)
         parts.optimizer.zero_grad()
