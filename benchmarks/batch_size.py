@@ -6,8 +6,10 @@ Run (the numbers on docs/large-batches.md, "Batch size at equal epochs"):
 
 Steps:
 
-1. Build the typeface set (``sets/make_typeface_images.py``, ``--classes``
-   characters, one capture per typeface, 64 px) unless it is there already.
+1. Build the set unless it is there already: ``--data typefaces``
+   (``sets/make_typeface_images.py``, ``--classes`` characters, one capture
+   per typeface) or ``--data photos`` (``sets/make_real_images.py``,
+   ``--classes`` regions of real photographs × ``--views`` captures), 64 px.
 2. Train ``--config`` (default ``configs/folder.yaml``) once per arm, from
    scratch, in one process each (``distributed.backend=none``, one torch
    thread; runs are bit for bit the same at ``-np 1`` and ``-np 2``, so
@@ -42,6 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sets"))
+from make_real_images import make_real_images  # noqa: E402
 from make_typeface_images import make_typeface_images  # noqa: E402
 
 from pksampler.files import atomic_write_bytes, atomic_write_text  # noqa: E402
@@ -82,6 +85,17 @@ def arm_overrides(arm: Arm, args: argparse.Namespace, data: Path, samples_per_cl
             f"train.epochs={args.epochs}", f"train.eval_every={max(1, args.epochs // args.evals)}",
             "train.checkpoint_every=0", "train.tensorboard=false", "distributed.backend=none", "data.workers=0",
             f"workspace={(args.workspace / arm.name).resolve()}", *args.overrides]
+
+
+def data_folder(args: argparse.Namespace) -> Path:
+    """The set's folder (made at 64 px unless it is complete already); fills in ``args.classes``."""
+    if args.data == "typefaces":
+        args.classes = args.classes or 1000
+        return make_typeface_images(ROOT / "workspace" / "typefaces" / f"c{args.classes}", classes=args.classes,
+                                    size=64, seed=0)
+    args.classes = args.classes or 500
+    return make_real_images(ROOT / "workspace" / "real_images" / f"c{args.classes}v{args.views}",
+                            classes=args.classes, views=args.views, size=64, seed=0)
 
 
 def launch(arm: Arm, overrides: list[str], config: Path, log: Path) -> subprocess.Popen:
@@ -201,14 +215,16 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.004, help="optim.lr for 64 images per step")
     parser.add_argument("--warmup-fraction", type=float, default=0.05)
     parser.add_argument("--size", type=int, default=32, help="data.image_size (the set is made at 64 px)")
-    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--data", choices=("typefaces", "photos"), default="typefaces",
+                        help="typefaces: --classes characters; photos: --classes regions x --views real captures")
+    parser.add_argument("--classes", type=int, default=None, help="default: 1000 typefaces, 500 photos")
+    parser.add_argument("--views", type=int, default=32, help="captures per class of the photos set")
     parser.add_argument("--parallel", type=int, default=2, help="arms trained at once")
     parser.add_argument("--workspace", type=Path, default=ROOT / "workspace" / "batch_size")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--skip-training", action="store_true", help="read the finished runs only")
     args = parser.parse_args()
-    data = ROOT / "workspace" / "typefaces" / f"c{args.classes}"
-    make_typeface_images(data, classes=args.classes, size=64, seed=0)
+    data = data_folder(args)
     samples_per_class = load_config(args.config, [f"data.root={data.resolve()}"], environ={}).sampler.samples_per_class
     arms = parse_arms(args.arms, args.optimizer, samples_per_class)
     plans = {arm.name: arm_overrides(arm, args, data, samples_per_class) for arm in arms}
@@ -216,7 +232,7 @@ def main() -> None:
         arms, plans, args.config, args.workspace, args.parallel)
     rows = summarise(arms, args, plans, timings)
     print("\n" + table(rows))
-    title = (f"typefaces, {args.classes} classes, {args.size} px, {args.epochs} epochs per arm; "
+    title = (f"{args.data}, {args.classes} classes, {args.size} px, {args.epochs} epochs per arm; "
              f"lr {args.lr} at 64 images, optim.scaling auto, warm-up {args.warmup_fraction:.0%} of the run")
     save_png(args.workspace / "batch_size.png", {row["arm"]: row["curve"] for row in rows}, title)
     atomic_write_text(args.workspace / "batch_size.json", json.dumps(

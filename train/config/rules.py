@@ -114,6 +114,14 @@ def left_open_interval(low: float, high: float) -> Rule:
     return rule
 
 
+def right_open_interval(low: float, high: float) -> Rule:
+    def rule(path: str, value: Any) -> None:
+        if not _is_real(value) or not low <= value < high:
+            raise ConfigError(f"{path}: must be in [{low:g}, {high:g}), got {value!r}")
+
+    return rule
+
+
 def closed_interval(low: float, high: float) -> Rule:
     def rule(path: str, value: Any) -> None:
         if not _is_real(value) or not low <= value <= high:

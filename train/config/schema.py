@@ -195,7 +195,8 @@ class HeadConfig:
     weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
     # the rows' own SGD: rate for optim.base_batch images (linear in the global batch, on the run's schedule)
     lr: float = _rule(0.1, rules.positive_finite)
-    momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
+    # below 1: a momentum of 1 never forgets a gradient, so the step grows without bound
+    momentum: float = _rule(0.9, rules.right_open_interval(0.0, 1.0))
     weight_decay: float = _rule(0.0005, rules.non_negative_finite)  # decoupled, applied lazily and exactly
     # BNNeck (BoT): the head reads the embeddings batch-normalised over the gathered global batch (the same at
     # every world size); the pair loss and retrieval read them before it. null: on (the head recipe)
@@ -219,7 +220,7 @@ class OptimConfig:
     lr: float = _rule(0.004, rules.positive_finite)
     base_batch: int = _rule(64, rules.positive_int)
     weight_decay: float = _rule(0.0005, rules.non_negative_finite)
-    momentum: float = _rule(0.9, rules.closed_interval(0.0, 1.0))
+    momentum: float = _rule(0.9, rules.right_open_interval(0.0, 1.0))  # SGD, LARS; below 1 (1 never forgets)
     warmup_steps: int = _rule(30, rules.int_at_least(0))
     # the warm-up as a share of the run's steps (Goyal et al.: 5 of 90 epochs); set, it replaces warmup_steps
     warmup_fraction: float | None = _rule(None, rules.optional(rules.closed_interval(0.0, 1.0)))

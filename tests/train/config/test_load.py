@@ -53,6 +53,8 @@ def test_choice_lists_come_from_the_registries():
 
 @pytest.mark.parametrize("override, message", [
     ("optim.lr=.inf", r"optim.lr: must be a finite number > 0, got inf"),
+    ("optim.momentum=1", r"optim.momentum: must be in \[0, 1\), got 1"),
+    ("head.momentum=1.0", r"head.momentum: must be in \[0, 1\), got 1.0"),
     ("optim.lr=.nan", r"optim.lr: must be a finite number > 0, got nan"),
     ("optim.lr=0", r"optim.lr: must be a finite number > 0, got 0"),
     ("optim.lr=-0.1", r"optim.lr: must be a finite number > 0, got -0.1"),
