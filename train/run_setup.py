@@ -43,7 +43,7 @@ from pksampler.train.engine.datacheck import IndexDigestHook
 from pksampler.train.runtime.device import make_deterministic
 from pksampler.train.runtime.distributed import Backend, make_backend
 from pksampler.train.engine.events import EventStorage
-from pksampler.train.engine.stall import HeadStallHook
+from pksampler.train.engine.stall import HeadScalarsHook, HeadStallHook
 from pksampler.train.evaluation.collapse import COLLAPSE_KEYS
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
 from pksampler.train.engine.hooks import (
@@ -249,7 +249,9 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if data.dataset.verifiable:  # shard sets: the full index digest, once per host
         hooks.append(IndexDigestHook(data.dataset, backend))
     if isinstance(parts.loss_fn, HeadedLoss):
-        hooks += mode.main_only([lambda: HeadStallHook(lambda: parts.loss_fn.last_head_loss)])
+        head_loss = parts.loss_fn  # every rank records the head's numbers (the elastic log buffers on each)
+        hooks.append(HeadScalarsHook(head_loss.step_scalars))
+        hooks += mode.main_only([lambda: HeadStallHook(lambda: head_loss.head.last_softmax_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     hooks += [

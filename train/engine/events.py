@@ -54,14 +54,24 @@ class EventStorage:
             raise ValueError(f"EventStorage.put_step() needs global_step=, got keys {sorted(values)}")
         global_step = int(values["global_step"])
         record = {"type": "step", **values}
+        self._extend(global_step, values)
+        self._latest_step = record
+        return record
+
+    def add_to_step(self, **values: Any) -> None:
+        """More scalars of the step just put (a hook's, e.g. the head's own loss): into its record and series."""
+        if self._latest_step is None:
+            raise ValueError(f"EventStorage.add_to_step({', '.join(sorted(values))}): no step has been put yet")
+        self._latest_step.update(values)
+        self._extend(int(self._latest_step["global_step"]), values)
+
+    def _extend(self, global_step: int, values: dict[str, Any]) -> None:
         for name, value in values.items():
             if name in _NOT_SERIES or isinstance(value, bool) or not isinstance(value, numbers.Real):
                 continue
             steps, series = self._series.setdefault(name, (array("q"), array("d")))
             steps.append(global_step)
             series.append(float(value))
-        self._latest_step = record
-        return record
 
     def put_record(self, kind: str, **fields: Any) -> dict[str, Any]:
         """A per-epoch record of ``kind`` (``"eval"``, ``"bad_images"``, ...)."""

@@ -1,14 +1,20 @@
-"""A one-line warning when a classification head's loss has not left its starting level.
+"""A classification head seen from outside: its own numbers in every step record, and one line when it stalls.
 
 A margin head that does not learn looks like any other run from outside: the
 total loss moves (the pair loss learns), the head's own loss sits at about
 ln(sampled classes) and, meanwhile, it can pull every embedding onto one
-direction (R@1 0.005 with such a head on the typeface set). :class:`HeadStallHook`
-compares the mean of the head's loss over the last ``window`` steps, at step
-``after_steps``, with its mean over the first ``window`` steps, and prints one
-line naming the numbers and the keys to look at when it has fallen by less
-than ``min_drop`` (a fraction of the start). It warns once, on rank 0 (every
-rank holds the same head loss: the embeddings are gathered).
+direction (R@1 0.005 with such a head on the typeface set).
+
+* :class:`HeadScalarsHook` adds the head's loss, the same loss without the
+  margin and the margin itself to each step record (``metrics.jsonl``,
+  TensorBoard's ``train/head_loss``, ...): the margin's ramp raises the first
+  while the second keeps falling when the head learns.
+* :class:`HeadStallHook` compares the mean of the head's margin-free loss over
+  the last ``window`` steps, at step ``after_steps``, with its mean over the
+  first ``window`` steps, and prints one line naming the numbers and the keys
+  to look at when it has fallen by less than ``min_drop`` (a fraction of the
+  start). It warns once, on rank 0 (every rank holds the same head loss: the
+  embeddings are gathered).
 """
 
 from __future__ import annotations
@@ -20,14 +26,26 @@ import torch
 
 from pksampler.train.engine.trainer import HookBase
 
-__all__ = ["HeadStallHook"]
+__all__ = ["HeadScalarsHook", "HeadStallHook"]
+
+
+class HeadScalarsHook(HookBase):
+    """Put ``scalars()`` (the head's :meth:`~pksampler.train.losses.headed.HeadedLoss.step_scalars`) into the
+    record of each step, before the writers read it."""
+
+    def __init__(self, scalars: Callable[[], dict[str, float]]) -> None:
+        self.scalars = scalars
+
+    def after_step(self) -> None:
+        self.trainer.storage.add_to_step(**self.scalars())
 
 
 class HeadStallHook(HookBase):
     """Warn once when the head's loss, ``after_steps`` steps in, has fallen less than ``min_drop`` of its start.
 
     Args:
-        head_loss: the head's loss of the step just taken (``HeadedLoss.last_head_loss``).
+        head_loss: the head's loss of the step just taken, without the margin (``head.last_softmax_loss``: the
+            margin's ramp raises the loss that is trained, so that one would read as a stall).
         after_steps: the global step at which it is judged.
         window: steps averaged at the start and at the judgement.
         min_drop: the smallest relative fall that counts as learning (0.05: 5 %).
@@ -64,7 +82,7 @@ class HeadStallHook(HookBase):
             return
         if now > (1.0 - self.min_drop) * start:
             self.warned = True
-            self.emit(f"[pksampler] warning: the head's loss has not left its starting level after {self.after_steps} "
-                      f"steps ({start:.3f} over the first {len(self._first)} steps, {now:.3f} over the last "
+            self.emit(f"[pksampler] warning: the head's loss (without its margin) has not left its starting level "
+                      f"after {self.after_steps} steps ({start:.3f} over the first {len(self._first)} steps, {now:.3f} over the last "
                       f"{len(self._last)}): its rows may not be learning; check head.lr, head.scale and model.neck, and "
                       "the effective_rank and mean_cosine of the evaluations (docs/sharded-head.md)")

@@ -249,6 +249,7 @@ class ShardedMarginHead(torch.nn.Module):
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
         self.step = 0  # global steps taken: keys the negative draw and the margin's ramp
+        self.last_softmax_loss = torch.zeros(())  # the last step's loss without the margin (a diagnostic)
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids, sampled rows with .grad)
         # called with the sampled row ids before they are read (the optimizer applies their pending weight decay)
         self.before_read: Callable[[torch.Tensor], None] | None = None
@@ -314,16 +315,26 @@ class ShardedMarginHead(torch.nn.Module):
         if chosen.numel():
             mine = mine & (chosen[position] == local)
         target = torch.zeros_like(labels, dtype=torch.float32, device=cosine.device)
+        plain = torch.zeros_like(target)  # the target's logit without the margin (its owner's; 0 elsewhere)
         logits = self.scale * cosine
         if chosen.numel():
             picked = cosine.gather(1, position[:, None]).squeeze(1)
             target_logit = self.scale * self._target_cosine(picked)
             target = torch.where(mine, target_logit, target)
+            plain = torch.where(mine, self.scale * picked, plain).detach()
             logits = logits.scatter(1, position[:, None], torch.where(mine, target_logit, picked * self.scale)[:, None])
         sum_exp = torch.exp(logits.double() - self.scale).sum(dim=1)
-        both = _SumOverRanks.apply(torch.stack([sum_exp, target.double()], dim=1), self.collectives)
-        loss = torch.log(both[:, 0]) + self.scale - both[:, 1]
+        summed = _SumOverRanks.apply(torch.stack([sum_exp, target.double(), plain.double()], dim=1), self.collectives)
+        loss = torch.log(summed[:, 0]) + self.scale - summed[:, 1]
+        self.last_softmax_loss = self._margin_free(summed.detach())
         return loss.mean().float()
+
+    def _margin_free(self, summed: torch.Tensor) -> torch.Tensor:
+        """The same step's cross-entropy with the margin left out (the target's logit s·cos θ in the sum instead
+        of the margin's): comparable across the margin's ramp and with ln C, from the one all-reduce."""
+        sum_exp, target, plain = summed.unbind(dim=1)
+        plain_sum = sum_exp - torch.exp(target - self.scale) + torch.exp(plain - self.scale)
+        return (torch.log(plain_sum) + self.scale - plain).mean().float()
 
     # --- state: the whole head, keyed by class id, the same at every world size ---------------------------
     def gather_rows(self, local: torch.Tensor, *, everywhere: bool = False) -> torch.Tensor | None:

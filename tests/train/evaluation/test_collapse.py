@@ -80,7 +80,7 @@ def _stall_run(losses: list[float], **options) -> list[str]:
 def test_the_stall_warning_is_one_line_once_and_only_for_a_loss_that_stayed():
     flat = _stall_run([6.9] * 100, after_steps=40, window=10)
     assert len(flat) == 1 and "\n" not in flat[0]
-    assert "the head's loss has not left its starting level after 40 steps (6.900" in flat[0]
+    assert "the head's loss (without its margin) has not left its starting level after 40 steps (6.900" in flat[0]
     falling = _stall_run([6.9 - 0.05 * t for t in range(100)], after_steps=40, window=10)
     assert falling == []
     with pytest.raises(ValueError, match=r"after_steps \(10\) must be at least 2 × window \(20\)"):

@@ -202,3 +202,23 @@ def test_a_row_step_the_grad_scaler_skipped_moves_no_row_and_decays_none_on_any_
         optimizer.settle()
         return bool(torch.equal(head.rows, before)), head.step, float(optimizer.log_decay[-1])
     assert run_ranks(2, work) == [(True, 1, 0.0), (True, 1, 0.0)]
+
+
+def test_each_step_record_carries_the_heads_loss_its_margin_free_loss_and_the_margin(tmp_path):
+    import json
+
+    from pksampler.train.run_setup import train
+    from pksampler.train.runtime.distributed import Backend
+
+    tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
+            "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+            "model.depth=[1]", "model.embedding_dim=8", f"workspace={tmp_path / 'run'}", "head.name=arcface",
+            "head.margin=0.4", "head.softmax_steps=1", "head.margin_ramp_steps=2", "loss.weight=0",
+            "train.max_steps=4", "train.tensorboard=false"]
+    train(load_config(None, tiny, environ={}), Backend())
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [record for record in map(json.loads, lines) if record["type"] == "step"]
+    assert [record["head_margin"] for record in steps] == pytest.approx([0.0, 0.2, 0.4, 0.4])
+    assert all(record["head_loss"] == pytest.approx(record["loss"], rel=1e-6) for record in steps)  # head alone
+    assert steps[0]["head_softmax_loss"] == pytest.approx(steps[0]["head_loss"], rel=1e-6)  # no margin yet
+    assert all(record["head_softmax_loss"] < record["head_loss"] for record in steps[1:])  # the margin adds to it

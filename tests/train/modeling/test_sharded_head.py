@@ -109,6 +109,10 @@ def test_with_every_class_sampled_it_is_the_full_softmax_of_a_linear_head(name):
     reference = F.cross_entropy(logits, labels)
     reference.backward()
     assert abs(loss - float(reference.detach())) <= 1e-6 * abs(float(reference.detach()))
+    # the diagnostic beside it: the same cross-entropy with the target's logit left without the margin
+    plain = float(F.cross_entropy(16.0 * cosine.detach(), labels))
+    assert abs(float(head.last_softmax_loss) - plain) <= 1e-6 * plain
+    assert name == "softmax" or plain < float(reference.detach()) - 0.1  # the margin raises the trained loss
     assert torch.allclose(grad, leaf.grad, rtol=1e-6, atol=1e-7)
     # the rows start small (‖w‖ ≈ 0.03 here), so their gradients are large: fp32 noise scales with them
     assert torch.allclose(rows_grad, linear.weight.grad, rtol=1e-5, atol=1e-6 * float(linear.weight.grad.abs().max()))
@@ -133,10 +137,12 @@ def test_loss_and_embedding_gradient_are_the_same_at_one_two_and_three_ranks():
     spec = dict(name="arcface", scale=16.0, margin=0.3, negatives=20, subcentres=2)
     embeddings, labels = inputs(3)
     traces = {world: run_ranks(world, lambda group: head_step(group, spec, embeddings, labels)) for world in (1, 2, 3)}
-    loss, grad, _ = traces[1][0]
+    loss, grad, head = traces[1][0]
     for world in (2, 3):
-        for rank_loss, rank_grad, _ in traces[world]:
+        for rank_loss, rank_grad, rank_head in traces[world]:
             assert abs(rank_loss - loss) <= 1e-6 * abs(loss)
+            plain = float(head.last_softmax_loss)
+            assert abs(float(rank_head.last_softmax_loss) - plain) <= 1e-6 * plain  # every rank, any W
             assert float((rank_grad - grad).norm() / grad.norm()) <= 1e-6  # fp32 sums in another order
 
 
