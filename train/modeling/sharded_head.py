@@ -272,9 +272,10 @@ class ShardedMarginHead(torch.nn.Module):
         return rows * INIT_STD
 
     def margin_now(self) -> float:
-        """The margin at this global step: 0 during the softmax phase, then a linear ramp to ``margin``."""
+        """The margin at this global step: 0 during the softmax phase (and always for ``softmax``, which applies
+        none), then a linear ramp to ``margin``."""
         into = self.step - self.softmax_steps
-        if into < 0:
+        if into < 0 or self.name == "softmax":
             return 0.0
         if self.margin_ramp_steps <= 0 or into >= self.margin_ramp_steps:
             return self.margin
