@@ -248,9 +248,12 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
                               is_main=mode.is_main))
     if data.dataset.verifiable:  # shard sets: the full index digest, once per host
         hooks.append(IndexDigestHook(data.dataset, backend))
+    # they add to the step's record, so they run before the writer hook wherever the mode puts it (Horovod
+    # elastic: first, and its log holds the line as it sees it)
+    recorders: list[HookBase] = []
     if isinstance(parts.loss_fn, HeadedLoss):
         head_loss = parts.loss_fn  # every rank records the head's numbers (the elastic log buffers on each)
-        hooks.append(HeadScalarsHook(head_loss.step_scalars))
+        recorders.append(HeadScalarsHook(head_loss.step_scalars))
         hooks += mode.main_only([lambda: HeadStallHook(lambda: head_loss.head.last_softmax_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
@@ -263,7 +266,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if data.dataset.store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
         hooks.append(ObjectStoreHook(data.dataset.store, backend, is_main=mode.is_main))
     hooks += mode.main_only([lambda: FinalArtifactsHook(workspace, _save_curves, epochs=parts.epochs)])
-    return mode.writer_hooks(hooks, _writers(config, parts.sampler.num_batches, parts.epochs, log, mode))
+    return [*recorders, *mode.writer_hooks(hooks, _writers(config, parts.sampler.num_batches, parts.epochs, log, mode))]
 
 
 def _writers(config: RunConfig, steps_per_epoch: int, epochs: int, log: EventLog, mode: RunMode) -> list[EventWriter]:

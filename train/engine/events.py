@@ -62,6 +62,10 @@ class EventStorage:
         """More scalars of the step just put (a hook's, e.g. the head's own loss): into its record and series."""
         if self._latest_step is None:
             raise ValueError(f"EventStorage.add_to_step({', '.join(sorted(values))}): no step has been put yet")
+        again = sorted(set(values) & set(self._latest_step))
+        if again:  # a second value would be a second point of the series, and the record would keep one
+            raise ValueError(f"EventStorage.add_to_step({', '.join(sorted(values))}): the step's record has "
+                             f"{', '.join(again)} already")
         self._latest_step.update(values)
         self._extend(int(self._latest_step["global_step"]), values)
 

@@ -272,9 +272,10 @@ class ShardedMarginHead(torch.nn.Module):
         return rows * INIT_STD
 
     def margin_now(self) -> float:
-        """The margin at this global step: 0 during the softmax phase, then a linear ramp to ``margin``."""
+        """The margin at this global step: 0 during the softmax phase (and always for ``softmax``, which applies
+        none), then a linear ramp to ``margin``."""
         into = self.step - self.softmax_steps
-        if into < 0:
+        if into < 0 or self.name == "softmax":
             return 0.0
         if self.margin_ramp_steps <= 0 or into >= self.margin_ramp_steps:
             return self.margin
@@ -322,19 +323,21 @@ class ShardedMarginHead(torch.nn.Module):
             target_logit = self.scale * self._target_cosine(picked)
             target = torch.where(mine, target_logit, target)
             plain = torch.where(mine, self.scale * picked, plain).detach()
-            logits = logits.scatter(1, position[:, None], torch.where(mine, target_logit, picked * self.scale)[:, None])
-        sum_exp = torch.exp(logits.double() - self.scale).sum(dim=1)
-        summed = _SumOverRanks.apply(torch.stack([sum_exp, target.double(), plain.double()], dim=1), self.collectives)
-        loss = torch.log(summed[:, 0]) + self.scale - summed[:, 1]
+            # the owner's target leaves the sum and is added back after the all-reduce, with or without its margin:
+            # taking it out again would cancel (past π, arcface lifts a far target e^100 above every other term)
+            logits = logits.scatter(1, position[:, None],
+                                    torch.where(mine, float("-inf"), picked * self.scale)[:, None])
+        others = torch.exp(logits.double() - self.scale).sum(dim=1)
+        summed = _SumOverRanks.apply(torch.stack([others, target.double(), plain.double()], dim=1), self.collectives)
+        loss = torch.log(summed[:, 0] + torch.exp(summed[:, 1] - self.scale)) + self.scale - summed[:, 1]
         self.last_softmax_loss = self._margin_free(summed.detach())
         return loss.mean().float()
 
     def _margin_free(self, summed: torch.Tensor) -> torch.Tensor:
         """The same step's cross-entropy with the margin left out (the target's logit s·cos θ in the sum instead
         of the margin's): comparable across the margin's ramp and with ln C, from the one all-reduce."""
-        sum_exp, target, plain = summed.unbind(dim=1)
-        plain_sum = sum_exp - torch.exp(target - self.scale) + torch.exp(plain - self.scale)
-        return (torch.log(plain_sum) + self.scale - plain).mean().float()
+        others, _, plain = summed.unbind(dim=1)
+        return (torch.log(others + torch.exp(plain - self.scale)) + self.scale - plain).mean().float()
 
     # --- state: the whole head, keyed by class id, the same at every world size ---------------------------
     def gather_rows(self, local: torch.Tensor, *, everywhere: bool = False) -> torch.Tensor | None:

@@ -213,3 +213,26 @@ def test_horovod_elastic_in_the_environment_does_not_make_a_torch_run_elastic(mo
     assert not _horovod_elastic(backend)
     backend.name = "horovod"
     assert _horovod_elastic(backend)
+
+
+def test_under_horovod_elastic_a_held_step_line_carries_the_heads_numbers(tmp_path):
+    from pksampler.train.engine.elastic import HorovodElasticMode
+    from pksampler.train.engine.stall import HeadScalarsHook
+    from pksampler.train.run_setup import assemble
+
+    tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
+            "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+            "model.depth=[1]", "model.embedding_dim=8", f"workspace={tmp_path / 'run'}", "head.name=arcface",
+            "train.max_steps=4", "train.tensorboard=false"]
+    backend = Backend()
+    run = assemble(load_config(None, tiny, environ={}), backend, mode=HorovodElasticMode(backend, commit_every=1))
+    try:
+        hooks = run.trainer.hooks
+        run.trainer.storage.put_step(epoch=0, step=1, global_step=1, loss=0.5, lr=0.001, images_per_sec=1.0)
+        for hook in hooks:  # the step's record in the run's hook order: the writer holds its line when it sees it
+            if isinstance(hook, (WriterHook, HeadScalarsHook)):
+                hook.after_step()
+        (log,) = [w for h in hooks if isinstance(h, WriterHook) for w in h.writers if isinstance(w, CommittedJSONWriter)]
+        assert {"head_loss", "head_softmax_loss", "head_margin"} <= json.loads(log.pending[-1]).keys()
+    finally:
+        run.close()

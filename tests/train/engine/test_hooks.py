@@ -557,6 +557,19 @@ def test_the_storage_keeps_series_compact_and_records_in_order():
         storage.put_step(loss=1.0)
 
 
+def test_a_hook_adds_new_scalars_to_the_step_just_put_and_never_a_second_value_of_one():
+    storage = EventStorage()
+    with pytest.raises(ValueError, match=r"add_to_step\(head_loss\): no step has been put yet"):
+        storage.add_to_step(head_loss=1.0)
+    storage.put_step(epoch=0, step=1, global_step=1, loss=2.0)
+    storage.add_to_step(head_loss=1.5, note="text")
+    assert storage.latest_step["head_loss"] == 1.5 and storage.series("head_loss")[0].tolist() == [1]
+    with pytest.raises(ValueError, match=r"add_to_step\(loss\): the step's record has loss already"):
+        storage.add_to_step(loss=3.0)
+    # one value a step, the record's (a replay of metrics.jsonl reads the record)
+    assert storage.series("loss")[1].tolist() == [2.0] and storage.latest_step["loss"] == 2.0
+
+
 def test_a_main_rank_hook_is_told_of_a_change_of_world_once_built():
     """``OnMainRank`` forwards the world protocol's ``on_world_change`` to the hook it built, and builds none."""
     from pksampler.train.engine.trainer import HookBase

@@ -222,3 +222,12 @@ def test_each_step_record_carries_the_heads_loss_its_margin_free_loss_and_the_ma
     assert all(record["head_loss"] == pytest.approx(record["loss"], rel=1e-6) for record in steps)  # head alone
     assert steps[0]["head_softmax_loss"] == pytest.approx(steps[0]["head_loss"], rel=1e-6)  # no margin yet
     assert all(record["head_softmax_loss"] < record["head_loss"] for record in steps[1:])  # the margin adds to it
+
+
+def test_a_softmax_head_records_no_margin_whatever_head_margin_says():
+    head = ShardedMarginHead(C, D, Member(ThreadGroup(1), 0), name="softmax", margin=0.3, negatives=10 * C)
+    loss = HeadedLoss(None, head, None, weight=1.0, pair_weight=0)
+    loss(*inputs())
+    scalars = loss.step_scalars()
+    assert scalars["head_margin"] == 0.0  # head.margin's default (0.3) is not applied by the plain softmax
+    assert scalars["head_softmax_loss"] == pytest.approx(scalars["head_loss"], rel=1e-6)

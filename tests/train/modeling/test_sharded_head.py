@@ -486,3 +486,21 @@ def test_the_rows_learn_at_their_own_rate_times_the_schedules_factor():
     assert torch.allclose(moved(0.01, 0.5), 0.5 * one, rtol=1e-3, atol=1e-7)
     with pytest.raises(ConfigError, match=r"head.lr: must be a finite number > 0, got 0"):
         load_config(None, ["head.lr=0"], environ={})
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_margin_free_loss_holds_when_the_margin_raises_a_far_target_above_every_other_logit(world):
+    # arcface's cos(θ + m) rises past π: a target opposite its centre (θ = π) gets s·(−cos 1.5), far above the
+    # negatives' s·(−0.5) at scale 300; the margin-free sum must not lose them (taken out of the sum, they were)
+    rows = torch.tensor([[1.0, 0.0], [0.5, 3 ** 0.5 / 2], [0.5, -(3 ** 0.5) / 2]])
+    embeddings, labels = torch.tensor([[-1.0, 0.0]]), torch.tensor([0])
+
+    def work(group):
+        head = ShardedMarginHead(3, 2, group, name="arcface", scale=300.0, margin=1.5, negatives=30, seed=1)
+        head.rows = rows[head.lo:head.hi, None].clone()
+        head(embeddings, labels)
+        return float(head.last_softmax_loss)
+
+    plain = float(F.cross_entropy(300.0 * embeddings @ rows.T, labels))  # ≈ 150.7
+    for value in run_ranks(world, work):
+        assert value == pytest.approx(plain, rel=1e-6)
