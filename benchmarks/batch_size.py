@@ -220,10 +220,13 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=None, help="default: 1000 typefaces, 500 photos")
     parser.add_argument("--views", type=int, default=32, help="captures per class of the photos set")
     parser.add_argument("--parallel", type=int, default=2, help="arms trained at once")
-    parser.add_argument("--workspace", type=Path, default=ROOT / "workspace" / "batch_size")
+    parser.add_argument("--workspace", type=Path, default=None,
+                        help="default: workspace/batch_size (typefaces), workspace/batch_size_photos (photos)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--skip-training", action="store_true", help="read the finished runs only")
     args = parser.parse_args()
+    args.workspace = args.workspace or ROOT / "workspace" / ("batch_size" if args.data == "typefaces" else
+                                                             f"batch_size_{args.data}")
     data = data_folder(args)
     samples_per_class = load_config(args.config, [f"data.root={data.resolve()}"], environ={}).sampler.samples_per_class
     arms = parse_arms(args.arms, args.optimizer, samples_per_class)
