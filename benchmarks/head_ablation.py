@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python benchmarks/head_ablation.py [--data typefaces|photos] [--config configs/folder.yaml]
      [--np 2] [--parallel 1] [--steps N] [--head arcface] [--arms pair,head,head+pair] [--set key=value ...]
+     .venv/bin/python benchmarks/head_ablation.py --merge RUN/head_ablation.json ... --workspace OUT
 
 Builds the set (``typefaces``: the cross-typeface character set of
 ``sets/make_typeface_images.py``, ``--classes`` characters; ``photos``: the
@@ -189,7 +190,8 @@ def curves_png(path: Path, curves: dict[str, dict[str, list]], title: str) -> No
 
     figure, axes = plt.subplots(1, 4, figsize=(20, 4.5), dpi=100, layout="constrained")
     figure.suptitle(title, fontsize=13)
-    for (name, c), colour in zip(curves.items(), ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")):
+    colours = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+    for (name, c), colour in zip(curves.items(), colours):
         if c["step"]:
             axes[0].plot(c["step"], smooth(c["loss"]), color=colour, label=name)
         axes[1].plot(c["eval_step"], c["recall_at_1"], marker="o", color=colour, label=name)
@@ -210,6 +212,27 @@ def curves_png(path: Path, curves: dict[str, dict[str, list]], title: str) -> No
     atomic_write_bytes(path, buffer.getvalue())
 
 
+def merge(paths: list[Path], out: Path) -> None:
+    """One table and one PNG of the arms of several earlier runs (their ``head_ablation.json``), each arm named
+    with its run's head and overrides: arms trained by separate invocations, drawn together."""
+    rows, curves, timings, titles = {}, {}, {}, []
+    for path in paths:
+        run = json.loads(path.read_text(encoding="utf-8"))
+        extra = " ".join(item for item in run["overrides"] if not item.startswith("data."))
+        for name, row in run["rows"].items():
+            label = name if name == "pair" else f"{name}, {run['head']}" + (f", {extra}" if extra else "")
+            rows[label], curves[label] = row, run["curves"][name]
+            if name in run["timings"]:
+                timings[label] = run["timings"][name]
+        titles.append(f"{run['data']}, {run['steps']} steps")
+    title = f"{' / '.join(sorted(set(titles)))}: {len(rows)} arms"
+    print(table(rows, timings))
+    out.mkdir(parents=True, exist_ok=True)
+    curves_png(out / "head_ablation.png", curves, title)
+    atomic_write_text(out / "head_ablation.json", json.dumps({"rows": rows, "timings": timings, "title": title,
+                                                              "merged": [str(p) for p in paths]}, indent=2))
+
+
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", choices=("typefaces", "photos"), default="typefaces")
@@ -225,6 +248,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--workspace", type=Path, default=None)
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--skip-training", action="store_true", help="evaluate the arms' existing last.pt")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None, metavar="JSON",
+                        help="draw the arms of these earlier runs' head_ablation.json together into --workspace")
     args = parser.parse_args()
     if args.np_ < 1 or args.parallel < 1:
         raise SystemExit(f"--np and --parallel must be >= 1, got {args.np_} and {args.parallel}")
@@ -235,6 +260,9 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
+    if args.merge:
+        merge(args.merge, args.workspace)
+        return
     data_root = data_folder(args)
     base = [f"data.root={data_root.resolve()}", "train.eval_every=1", *args.overrides]
     if args.steps is not None:
