@@ -158,9 +158,6 @@ class LossConfig:
 #: head.scale's bound: the head's softmax offsets logits by the scale in fp64, so a row whose logits all lie near
 #: −scale sums terms of exp(−2·scale), which stay above fp64's smallest (exp(−708)) up to here (insightface: 64)
 MAX_HEAD_SCALE = 300.0
-#: head.weight's default beside the pair loss (loss.weight > 0): measured on typefaces and photographs
-#: (docs/sharded-head.md); at 1 the head's gradient took the embedding over
-HEAD_WEIGHT_BESIDE_PAIR = 0.1
 
 
 @dataclass(frozen=True)
@@ -195,9 +192,7 @@ class HeadConfig:
     # expected sampled negative classes per step (every class when >= the number of classes)
     negatives: int = _rule(8192, rules.positive_int)
     subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
-    # the head's loss against the pair loss's loss.weight; null: 0.1 beside the pair loss (at 1 the head's gradient
-    # took the embedding over, docs/sharded-head.md), 1 when the head trains alone (loss.weight: 0)
-    weight: float | None = _rule(None, rules.optional(rules.positive_finite))
+    weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
     # the rows' own SGD: rate for optim.base_batch images (linear in the global batch, on the run's schedule)
     lr: float = _rule(0.1, rules.positive_finite)
     # below 1: a momentum of 1 never forgets a gradient, so the step grows without bound
@@ -383,16 +378,12 @@ def _check_head(config: RunConfig) -> None:
 def resolve_head_defaults(config: RunConfig) -> RunConfig:
     """The values that depend on whether a head is on, filled in: with ``head.name`` set (the head recipe),
     ``model.projection_bias`` null is false and ``head.bnneck`` null true; without a head, their values of every
-    run before the keys became null (a bias, no neck). ``head.weight`` null is 0.1 beside the pair loss, 1 with
-    the head alone."""
+    run before the keys became null (a bias, no neck)."""
     model, head = config.model, config.head
     if model.projection_bias is None:
         model = dataclasses.replace(model, projection_bias=head.name is None)
     if head.bnneck is None:
         head = dataclasses.replace(head, bnneck=head.name is not None)
-    if head.weight is None:
-        beside_pair = head.name is not None and config.loss.weight > 0
-        head = dataclasses.replace(head, weight=HEAD_WEIGHT_BESIDE_PAIR if beside_pair else 1.0)
     if model is config.model and head is config.head:
         return config
     return dataclasses.replace(config, model=model, head=head)

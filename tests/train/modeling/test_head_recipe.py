@@ -105,13 +105,6 @@ def test_a_head_brings_a_bias_free_projection_and_a_bnneck_unless_set():
     assert chosen.model.projection_bias is True and chosen.head.bnneck is False
 
 
-def test_the_heads_weight_is_a_tenth_beside_the_pair_loss_and_one_alone_unless_set():
-    assert load_config(None, ["head.name=arcface"], environ={}).head.weight == 0.1
-    assert load_config(None, ["head.name=arcface", "loss.weight=0"], environ={}).head.weight == 1.0
-    assert load_config(None, ["head.name=arcface", "head.weight=0.5"], environ={}).head.weight == 0.5
-    assert load_config(None, [], environ={}).head.weight == 1.0  # no head: every earlier run's value
-
-
 def test_the_heads_rules_that_relate_two_keys_are_config_errors():
     with pytest.raises(ConfigError, match=r"^loss.weight: 0.0 weighs the pair loss against the head's"):
         load_config(None, ["loss.weight=0"], environ={})
