@@ -44,8 +44,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sets"))
-from make_real_images import make_real_images  # noqa: E402
-from make_typeface_images import make_typeface_images  # noqa: E402
+from class_rich_sets import DEFAULT_CLASSES, class_rich_set  # noqa: E402
 
 from pksampler.files import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pksampler.train.config.load import load_config  # noqa: E402
@@ -89,13 +88,8 @@ def arm_overrides(arm: Arm, args: argparse.Namespace, data: Path, samples_per_cl
 
 def data_folder(args: argparse.Namespace) -> Path:
     """The set's folder (made at 64 px unless it is complete already); fills in ``args.classes``."""
-    if args.data == "typefaces":
-        args.classes = args.classes or 1000
-        return make_typeface_images(ROOT / "workspace" / "typefaces" / f"c{args.classes}", classes=args.classes,
-                                    size=64, seed=0)
-    args.classes = args.classes or 500
-    return make_real_images(ROOT / "workspace" / "real_images" / f"c{args.classes}v{args.views}",
-                            classes=args.classes, views=args.views, size=64, seed=0)
+    args.classes = args.classes or DEFAULT_CLASSES[args.data]
+    return class_rich_set(ROOT / "workspace", args.data, classes=args.classes, views=args.views)
 
 
 def launch(arm: Arm, overrides: list[str], config: Path, log: Path) -> subprocess.Popen:

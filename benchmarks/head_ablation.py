@@ -41,8 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "sets"))
-from make_real_images import make_real_images  # noqa: E402
-from make_typeface_images import make_typeface_images  # noqa: E402
+from class_rich_sets import DEFAULT_CLASSES, class_rich_set  # noqa: E402
 from typeface_retrieval import ROOT, run_training, train_command  # noqa: E402
 
 from pksampler.files import atomic_write_bytes, atomic_write_text  # noqa: E402
@@ -70,11 +69,7 @@ def arms(head: str, names: list[str]) -> dict[str, list[str]]:
 
 def data_folder(args: argparse.Namespace) -> Path:
     """The set's folder, built (or found complete) first."""
-    if args.data == "typefaces":
-        return make_typeface_images(ROOT / "workspace" / "typefaces" / f"c{args.classes}", classes=args.classes,
-                                    size=64, seed=args.data_seed)
-    return make_real_images(ROOT / "workspace" / "real_images" / f"c{args.classes}v{args.views}",
-                            classes=args.classes, views=args.views, size=64, seed=args.data_seed)
+    return class_rich_set(ROOT / "workspace", args.data, classes=args.classes, views=args.views, seed=args.data_seed)
 
 
 def train_arms(commands: dict[str, list[str]], parallel: int) -> dict[str, tuple[float, float]]:
@@ -253,7 +248,7 @@ def parse() -> argparse.Namespace:
     args = parser.parse_args()
     if args.np_ < 1 or args.parallel < 1:
         raise SystemExit(f"--np and --parallel must be >= 1, got {args.np_} and {args.parallel}")
-    args.classes = args.classes or (1000 if args.data == "typefaces" else 500)
+    args.classes = args.classes or DEFAULT_CLASSES[args.data]
     args.workspace = args.workspace or ROOT / "workspace" / f"head_ablation_{args.data}"
     return args
 

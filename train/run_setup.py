@@ -252,9 +252,9 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     # elastic: first, and its log holds the line as it sees it)
     recorders: list[HookBase] = []
     if isinstance(parts.loss_fn, HeadedLoss):
-        head_loss = parts.loss_fn  # every rank records the head's numbers (the elastic log buffers on each)
-        recorders.append(HeadScalarsHook(head_loss.step_scalars))
-        hooks += mode.main_only([lambda: HeadStallHook(lambda: head_loss.head.last_softmax_loss)])
+        headed = parts.loss_fn  # every rank records the head's numbers (the elastic log buffers on each)
+        recorders.append(HeadScalarsHook(headed.step_scalars))
+        hooks += mode.main_only([lambda: HeadStallHook(lambda: headed.head.last_softmax_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     hooks += [

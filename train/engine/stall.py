@@ -83,6 +83,6 @@ class HeadStallHook(HookBase):
         if now > (1.0 - self.min_drop) * start:
             self.warned = True
             self.emit(f"[pksampler] warning: the head's loss (without its margin) has not left its starting level "
-                      f"after {self.after_steps} steps ({start:.3f} over the first {len(self._first)} steps, {now:.3f} over the last "
-                      f"{len(self._last)}): its rows may not be learning; check head.lr, head.scale and model.neck, and "
+                      f"after {self.after_steps} steps ({start:.3f} over the first {len(self._first)} steps, "
+                      f"{now:.3f} over the last {len(self._last)}): its rows may not be learning; check head.lr, head.scale and model.neck, and "
                       "the effective_rank and mean_cosine of the evaluations (docs/sharded-head.md)")

@@ -42,7 +42,6 @@ class HeadedLoss:
         self.pair_weight = pair_weight  # 0: the head alone (the pair loss is not computed)
         self.neck = neck  # BNNeck: the head reads neck(embeddings), the pair loss the embeddings
         self.last_head_loss = torch.zeros(())
-        self.last_margin = 0.0
 
     @classmethod
     def from_config(cls, config: "RunConfig", collectives: Any, pair: Any, *, num_classes: int, global_batch: int,
@@ -72,15 +71,14 @@ class HeadedLoss:
     def step_scalars(self) -> dict[str, float]:
         """The head's numbers of the step just taken, for the step record: its loss (the margin's, the one
         trained), the same loss without the margin (comparable over the ramp and with ln C) and the margin."""
-        return {"head_loss": float(self.last_head_loss), "head_softmax_loss": float(self.head.last_softmax_loss),
-                "head_margin": float(self.last_margin)}
+        loss, softmax_loss = torch.stack([self.last_head_loss, self.head.last_softmax_loss]).tolist()  # one copy
+        return {"head_loss": loss, "head_softmax_loss": softmax_loss, "head_margin": self.head.last_margin}
 
     def head_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The head's loss of the gathered batch (through the neck when there is one)."""
         return self.head(self.neck(embeddings) if self.neck is not None else embeddings, labels)
 
     def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self.last_margin = self.head.margin_now()
         head_loss = self.head_loss(embeddings, labels)
         self.last_head_loss = head_loss.detach()
         if self.pair_weight == 0:

@@ -249,7 +249,8 @@ class ShardedMarginHead(torch.nn.Module):
         self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
         self.step = 0  # global steps taken: keys the negative draw and the margin's ramp
-        self.last_softmax_loss = torch.zeros(())  # the last step's loss without the margin (a diagnostic)
+        # the last step's margin and its loss without the margin (diagnostics for the step record)
+        self.last_margin, self.last_softmax_loss = 0.0, torch.zeros(())
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids, sampled rows with .grad)
         # called with the sampled row ids before they are read (the optimizer applies their pending weight decay)
         self.before_read: Callable[[torch.Tensor], None] | None = None
@@ -292,7 +293,7 @@ class ShardedMarginHead(torch.nn.Module):
         return torch.from_numpy(np.flatnonzero(chosen)).to(self.rows.device)
 
     def _target_cosine(self, cosine: torch.Tensor) -> torch.Tensor:
-        margin = self.margin_now()
+        margin = self.last_margin
         if self.name == "cosface":
             return cosine - margin
         if self.name == "arcface" and margin:
@@ -302,6 +303,7 @@ class ShardedMarginHead(torch.nn.Module):
 
     def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The margin softmax cross-entropy of the (gathered) batch over the sampled classes; same on every rank."""
+        self.last_margin = self.margin_now()  # this step's (read by _target_cosine and the step record)
         chosen = self.selection(labels)
         if self.before_read is not None:
             self.before_read(chosen)
