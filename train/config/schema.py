@@ -192,7 +192,9 @@ class HeadConfig:
     # expected sampled negative classes per step (every class when >= the number of classes)
     negatives: int = _rule(8192, rules.positive_int)
     subcentres: int = _rule(1, rules.int_between(1, 16))  # sub-centre ArcFace: k centres per class, the nearest used
-    weight: float = _rule(1.0, rules.positive_finite)  # the head's loss against the pair loss
+    # the head's loss against the pair loss in the network's gradient; the rows step on the head's loss alone
+    # (the weight divided out), so a small weight does not slow them down
+    weight: float = _rule(1.0, rules.positive_finite)
     # the rows' own SGD: rate for optim.base_batch images (linear in the global batch, on the run's schedule)
     lr: float = _rule(0.1, rules.positive_finite)
     # below 1: a momentum of 1 never forgets a gradient, so the step grows without bound

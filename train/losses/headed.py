@@ -4,8 +4,9 @@
 docs/sharded-head.md): a :class:`~pksampler.train.modeling.sharded_head.ShardedMarginHead`
 with small rows and a scale derived from the number of classes, its own
 row-sparse SGD (``head.lr`` for ``optim.base_batch`` images, linear in the
-global batch, ``head.momentum``, ``head.weight_decay``), the optional BNNeck
-and the weights of the two losses. The row optimizer's class is given by the
+global batch, ``head.momentum``, ``head.weight_decay``; the rows step on the
+head's own loss, ``head.weight`` divided out), the optional BNNeck and the
+weights of the two losses in the network's gradient. The row optimizer's class is given by the
 caller (the solver sits above the losses in the layering).
 """
 
@@ -64,7 +65,7 @@ class HeadedLoss:
                                    margin_ramp_steps=head.margin_ramp_steps, seed=config.seed,
                                    local_ranks=local_ranks, elastic=elastic, agree_memory=not elastic)
         rows = row_optimizer(module, lr=head.lr * global_batch / config.optim.base_batch, momentum=head.momentum,
-                             weight_decay=head.weight_decay, grad_divisor=grad_divisor)
+                             weight_decay=head.weight_decay, grad_divisor=grad_divisor, loss_weight=head.weight)
         neck = BNNeck(config.model.embedding_dim, grad_divisor=grad_divisor) if head.bnneck else None
         return cls(pair, module, rows, weight=head.weight, neck=neck, pair_weight=config.loss.weight)
 

@@ -34,12 +34,15 @@ class SparseRowSGD:
     """Row-sparse SGD with momentum and lazy decoupled weight decay for a :class:`ShardedMarginHead`."""
 
     def __init__(self, head: ShardedMarginHead, *, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
-                 grad_divisor: float = 1.0) -> None:
+                 grad_divisor: float = 1.0, loss_weight: float = 1.0) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
             raise ValueError(f"SparseRowSGD(lr=) expects a finite number > 0, got {lr!r}")
         self.head, self.momentum, self.weight_decay = head, momentum, weight_decay
         self.lr = float(lr)  # the rows' peak rate: scheduled_step(f) steps at lr·f (f: the run's schedule factor)
         self.grad_divisor = grad_divisor  # the loss scale the backward carried (Horovod: the world size)
+        # head.weight, which the head's loss carried into the backward: divided out of the rows' gradient, so the
+        # weight balances the two losses in the network's gradient only and the rows learn at their own rate
+        self.loss_weight = loss_weight
         self.buffer = torch.zeros_like(head.rows)
         # steps whose decay a row has; on the host with the decay log (indexed with host copies of row ids)
         self.moved_at = torch.zeros(head.rows.shape[0], dtype=torch.int64)
@@ -81,7 +84,7 @@ class SparseRowSGD:
         if skipped:
             lr = 0.0
         elif pending is not None and pending[1].grad is not None:
-            grad = pending[1].grad / (self.grad_divisor * grad_scale)
+            grad = pending[1].grad / (self.grad_divisor * grad_scale * self.loss_weight)
         self._record(lr)
         self.head.step += 1
         if grad is None:

@@ -94,6 +94,26 @@ def test_from_config_gives_the_rows_their_own_sgd_scaled_with_the_global_batch()
         SparseRowSGD(loss.head, lr=0)
 
 
+def test_the_rows_step_on_the_heads_own_loss_whatever_its_weight():
+    """head.weight weighs the head against the pair loss in the network's gradient; the rows' step is the same
+    at 0.1 as at 1 (before, a weight of 0.1 also ran the rows at a tenth of their rate)."""
+    embeddings, labels = inputs()
+
+    def rows_after(weight: float) -> torch.Tensor:
+        config = load_config(None, ["head.name=arcface", f"head.weight={weight}", "head.bnneck=false",
+                                    f"model.embedding_dim={D}"], environ={})
+        loss = HeadedLoss.from_config(config, Member(ThreadGroup(1), 0), lambda e, y: (e * 0).sum(),
+                                      num_classes=C, global_batch=64, row_optimizer=SparseRowSGD)
+        assert loss.row_optimizer.loss_weight == weight
+        start = loss.head.rows.clone()
+        loss(embeddings.clone().requires_grad_(), labels).backward()
+        loss.row_optimizer.step(0.05)
+        assert (loss.head.rows - start).abs().max() > 1e-3  # the step moved them
+        return loss.head.rows.clone()
+
+    torch.testing.assert_close(rows_after(0.1), rows_after(1.0), rtol=1e-5, atol=1e-7)
+
+
 def test_a_head_brings_a_bias_free_projection_and_a_bnneck_unless_set():
     with_head = load_config(None, ["head.name=arcface"], environ={})
     assert with_head.model.projection_bias is False and with_head.head.bnneck is True
