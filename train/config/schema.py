@@ -133,6 +133,9 @@ class ModelConfig:
     # the projection from the pooled feature to the embedding has a bias; null: none when head.name is set
     # (a bias is a component every embedding shares, which a classification head can collapse them onto)
     projection_bias: bool | None = _rule(None, rules.optional(rules.boolean))
+    # LayerNorm without affine on the pooled feature, before the projection (Zhai & Wu 2018): removes the component
+    # every image's pooled ReLU feature shares; per image, so the same at every world size and chunk size
+    pool_norm: bool = _rule(False, rules.boolean)
     pretrained: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)  # read on a fresh start only
     # null: frozen exactly when `pretrained` is given and the backbone has BatchNorm (detectron2's default)
     freeze_norm: bool | None = _rule(None, rules.optional(rules.boolean))

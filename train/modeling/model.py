@@ -107,23 +107,35 @@ class GeM(nn.Module):
         return features.clamp(min=self.eps).pow(p).mean(dim=(2, 3)).pow(1.0 / p)
 
 
-class _Pool(nn.Module):
-    """Global pooling of (N, C, H, W) to (N, C) or, for ``avgmax``, (N, 2C) (average and max concatenated)."""
+def layer_norm_pooled(pooled: torch.Tensor) -> torch.Tensor:
+    """LayerNorm without affine over each pooled feature (``model.pool_norm``, Zhai & Wu 2018).
 
-    def __init__(self, kind: str) -> None:
+    Pooled ReLU features are all positive, so every image shares a large
+    component along the all-ones direction; centring and scaling each feature
+    over its channels removes it before the projection, per image (the same at
+    every world size and chunk size, no parameters)."""
+    return F.layer_norm(pooled, pooled.shape[-1:])
+
+
+class _Pool(nn.Module):
+    """Global pooling of (N, C, H, W) to (N, C) or, for ``avgmax``, (N, 2C) (average and max concatenated),
+    then, with ``layer_norm``, :func:`layer_norm_pooled`."""
+
+    def __init__(self, kind: str, *, layer_norm: bool = False) -> None:
         super().__init__()
         if kind not in POOLINGS:
             raise ValueError(f"model.pooling must be one of {list(POOLINGS)}, got {kind!r}")
-        self.kind = kind
+        self.kind, self.layer_norm = kind, layer_norm
         self.gem = GeM() if kind == "gem" else None
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if self.gem is not None:
-            return self.gem(features)
-        pooled = features.mean(dim=(2, 3))
-        if self.kind == "avgmax":
-            pooled = torch.cat([pooled, features.amax(dim=(2, 3))], dim=1)
-        return pooled
+            pooled = self.gem(features)
+        else:
+            pooled = features.mean(dim=(2, 3))
+            if self.kind == "avgmax":
+                pooled = torch.cat([pooled, features.amax(dim=(2, 3))], dim=1)
+        return layer_norm_pooled(pooled) if self.layer_norm else pooled
 
 
 def _neck(kind: str, dim: int, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
@@ -158,11 +170,14 @@ class EmbeddingNet(nn.Module):
         neck: ``none``, ``batch`` or ``layer`` normalisation of the embedding
             before the L2 norm.
         sync_batch_norm: the class a ``batch`` neck uses instead of BatchNorm1d.
+        bias: the projection has a bias.
+        pool_norm: LayerNorm without affine on the pooled feature (:func:`layer_norm_pooled`).
     """
 
     def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
                  norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None, stem_stride: int = 1, bias: bool = True) -> None:
+                 sync_batch_norm: type[nn.Module] | None = None, stem_stride: int = 1, bias: bool = True,
+                 pool_norm: bool = False) -> None:
         super().__init__()
         norm = norm or norm_factory("group")
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, stem_stride, 1, bias=False), norm(width), nn.ReLU(inplace=True))
@@ -174,7 +189,7 @@ class EmbeddingNet(nn.Module):
                 stages.append(BasicBlock(channels, out_channels, stride, norm))
                 channels = out_channels
         self.stages = nn.Sequential(*stages)
-        self.pool = _Pool(pooling)
+        self.pool = _Pool(pooling, layer_norm=pool_norm)
         self.head = nn.Linear(channels * (2 if pooling == "avgmax" else 1), embedding_dim, bias=bias)
         self.neck = _neck(neck, embedding_dim, sync_batch_norm)
         self.embedding_dim = embedding_dim
@@ -197,10 +212,10 @@ class BackboneEmbedding(nn.Module):
     """
 
     def __init__(self, backbone: nn.Module, embedding_dim: int, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None, bias: bool = True) -> None:
+                 sync_batch_norm: type[nn.Module] | None = None, bias: bool = True, pool_norm: bool = False) -> None:
         super().__init__()
         self.backbone = backbone
-        self.pool = _Pool(pooling)
+        self.pool = _Pool(pooling, layer_norm=pool_norm)
         self.head = nn.Linear(backbone.num_features * (2 if pooling == "avgmax" else 1), embedding_dim, bias=bias)
         self.neck = _neck(neck, embedding_dim, sync_batch_norm)
         self.embedding_dim = embedding_dim
@@ -212,8 +227,10 @@ class BackboneEmbedding(nn.Module):
 class TorchvisionEmbedding(nn.Module):
     """A torchvision backbone (when torchvision imports) with the same embedding head and neck."""
 
-    def __init__(self, name: str, embedding_dim: int, neck: str = "none", *, bias: bool = True) -> None:
+    def __init__(self, name: str, embedding_dim: int, neck: str = "none", *, bias: bool = True,
+                 pool_norm: bool = False) -> None:
         super().__init__()
+        self.pool_norm = pool_norm
         try:
             import torchvision.models as models
         except Exception as error:  # torchvision missing or built for another torch
@@ -231,7 +248,8 @@ class TorchvisionEmbedding(nn.Module):
         self.neck = _neck(neck, embedding_dim)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.neck(self.head(self.backbone(images))), dim=1)
+        pooled = self.backbone(images)
+        return F.normalize(self.neck(self.head(layer_norm_pooled(pooled) if self.pool_norm else pooled)), dim=1)
 
 
 def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image_size: int = 224) -> nn.Module:
@@ -245,16 +263,18 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
     _check_pretrained(config)
     name = config.backbone
     bias = getattr(config, "projection_bias", None) is not False  # null (unresolved): the bias, as before the key
+    pool_norm = bool(getattr(config, "pool_norm", False))
     if name.startswith("torchvision:"):
         if config.pooling != "avg":
             raise ConfigError(f"model.pooling={config.pooling!r} applies to our own backbones only; "
                              f"torchvision backbones pool with their own layer (use 'avg')")
-        model: nn.Module = TorchvisionEmbedding(name.split(":", 1)[1], config.embedding_dim, config.neck, bias=bias)
+        model: nn.Module = TorchvisionEmbedding(name.split(":", 1)[1], config.embedding_dim, config.neck, bias=bias,
+                                                pool_norm=pool_norm)
     elif name == DEMO:
         model = EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
                              norm_factory(config.norm, sync_batch_norm),
                              pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm,
-                             stem_stride=config.stem_stride, bias=bias)
+                             stem_stride=config.stem_stride, bias=bias, pool_norm=pool_norm)
     elif name in RESNETS or name in VITS:
         if name in VITS and config.pooling == "gem":
             raise ConfigError(f"model.pooling: 'gem' needs non-negative features and a ViT's tokens are not; "
@@ -262,7 +282,7 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
         trunk = (resnet(name, norm_factory(config.norm, sync_batch_norm)) if name in RESNETS
                  else vit(name, image_size=image_size))
         model = BackboneEmbedding(trunk, config.embedding_dim, pooling=config.pooling, neck=config.neck,
-                                  sync_batch_norm=sync_batch_norm, bias=bias)
+                                  sync_batch_norm=sync_batch_norm, bias=bias, pool_norm=pool_norm)
     else:
         raise ConfigError(f"model.backbone must be one of {list(BACKBONES)} or 'torchvision:<name>', got {name!r}")
     if config.freeze_norm:

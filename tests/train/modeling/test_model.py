@@ -83,6 +83,23 @@ def test_layer_neck_does_not_depend_on_the_batch():
     assert torch.allclose(model(images)[:2], model(images[:2]), atol=1e-5)
 
 
+@pytest.mark.parametrize("pooling", POOLINGS)
+def test_pool_norm_centres_each_pooled_feature_per_image_and_adds_no_parameters(pooling):
+    plain, normed = _net(pooling=pooling), _net(pooling=pooling, pool_norm=True)
+    images = torch.randn(5, 3, 20, 20)
+    features = normed.stages(normed.stem(images))
+    pooled = normed.pool(features)
+    assert torch.allclose(pooled.mean(dim=1), torch.zeros(5), atol=1e-5)
+    assert torch.allclose(pooled.var(dim=1, unbiased=False), torch.ones(5), atol=1e-3)
+    assert not torch.allclose(plain.pool(features).mean(dim=1), torch.zeros(5), atol=1e-2)  # ReLU maps: positive
+    assert normed.state_dict().keys() == plain.state_dict().keys()  # a checkpoint loads either way
+    assert torch.allclose(normed(images)[:2], normed(images[:2]), atol=1e-5)  # per image: no batch statistics
+    config = load_config(None, ["model.pool_norm=true", "model.width=8", "model.depth=[1]"], environ={})
+    assert build_model(config.model).pool.layer_norm is True
+    with pytest.raises(ConfigError, match="model.pool_norm"):
+        load_config(None, ["model.pool_norm=maybe"], environ={})
+
+
 def test_default_model_is_unchanged_by_the_new_options():
     default, explicit = _net(), _net(pooling="avg", neck="none")
     assert isinstance(default.neck, torch.nn.Identity)
