@@ -140,7 +140,7 @@ class SparseRowSGD:
         self.settle()
         return {**self.head.state_dict_rows(everywhere=everywhere),
                 "momentum": self.head.gather_rows(self.buffer, everywhere=everywhere),
-                "log_decay": self.log_decay.clone()}
+                "log_decay": self.log_decay.clone(), "momentum_of_own_loss": True}
 
     def own_range(self) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the head's state but its rows and momentum
@@ -158,8 +158,12 @@ class SparseRowSGD:
         self._load_log(meta["log_decay"])
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """:meth:`state_dict`'s head, this rank's range. A head saved before the rows stepped on their own loss
+        (no ``momentum_of_own_loss``) holds momentum of ``head.weight`` × that loss: divided back, so it continues
+        in the units of the rule now in force."""
         self.head.load_state_dict_rows(saved)
-        self.buffer.copy_(saved["momentum"][self.head.lo:self.head.hi])
+        momentum = saved["momentum"][self.head.lo:self.head.hi]
+        self.buffer.copy_(momentum if saved.get("momentum_of_own_loss") else momentum / self.loss_weight)
         self._load_log(saved["log_decay"])
 
     def _load_log(self, log_decay: torch.Tensor) -> None:

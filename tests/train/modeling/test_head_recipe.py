@@ -114,6 +114,22 @@ def test_the_rows_step_on_the_heads_own_loss_whatever_its_weight():
     torch.testing.assert_close(rows_after(0.1), rows_after(1.0), rtol=1e-5, atol=1e-7)
 
 
+def test_a_head_saved_under_the_weighted_rule_continues_with_its_momentum_in_the_new_units():
+    embeddings, labels = inputs()
+    head = ShardedMarginHead(C, D, Member(ThreadGroup(1), 0), name="arcface", negatives=10 * C, seed=1)
+    old = SparseRowSGD(head, lr=0.1, momentum=0.9)  # before: the rows stepped on head.weight (0.1) x the loss
+    (0.1 * head(embeddings, labels)).backward()
+    old.step(0.05)
+    saved = old.state_dict()
+    assert saved.pop("momentum_of_own_loss") is True
+    fresh = ShardedMarginHead(C, D, Member(ThreadGroup(1), 0), name="arcface", negatives=10 * C, seed=2)
+    new = SparseRowSGD(fresh, lr=0.1, momentum=0.9, loss_weight=0.1)
+    new.load_state_dict(saved)
+    torch.testing.assert_close(new.buffer, old.buffer / 0.1)
+    new.load_state_dict({**saved, "momentum_of_own_loss": True})  # written by this rule: taken as it is
+    torch.testing.assert_close(new.buffer, old.buffer)
+
+
 def test_a_head_brings_a_bias_free_projection_and_a_bnneck_unless_set():
     with_head = load_config(None, ["head.name=arcface"], environ={})
     assert with_head.model.projection_bias is False and with_head.head.bnneck is True
@@ -133,12 +149,12 @@ def test_the_heads_rules_that_relate_two_keys_are_config_errors():
 
 
 def _earlier(config: dict, *, head: str | None) -> dict:
-    """A config as written before the recipe: head.lr_scale, head.scale 30, no projection_bias key."""
+    """A config as written before the recipe: head.lr_scale, head.scale 30, no projection_bias or pool_norm key."""
     saved = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
     saved["head"] = {k: v for k, v in saved["head"].items() if k not in ("lr", "momentum", "weight_decay",
                                                                            "softmax_steps", "margin_ramp_steps")}
     saved["head"].update(name=head, scale=30.0, lr_scale=1.0, bnneck=False)
-    saved["model"] = {k: v for k, v in saved["model"].items() if k != "projection_bias"}
+    saved["model"] = {k: v for k, v in saved["model"].items() if k not in ("projection_bias", "pool_norm")}
     return saved
 
 
@@ -152,6 +168,9 @@ def test_a_checkpoint_written_before_the_recipe_resumes_without_a_head_and_is_re
     changed = dict(current, model=dict(current["model"], projection_bias=False))
     with pytest.raises(ConfigError, match=r"model.projection_bias"):
         check_resume_compatible(_earlier(current, head=None), changed, "last.pt")
+    normed = dict(current, model=dict(current["model"], pool_norm=True))
+    with pytest.raises(ConfigError, match=r"model.pool_norm"):
+        check_resume_compatible(_earlier(current, head=None), normed, "last.pt")
 
 
 def test_the_rows_scheduled_step_follows_the_dense_schedule_in_the_trainer(tmp_path):
