@@ -43,6 +43,7 @@ from pksampler.train.engine.datacheck import IndexDigestHook
 from pksampler.train.runtime.device import make_deterministic
 from pksampler.train.runtime.distributed import Backend, make_backend
 from pksampler.train.engine.events import EventStorage
+from pksampler.train.engine.norm_stats import NormStatisticsHook, running_statistics
 from pksampler.train.engine.stall import HeadScalarsHook, HeadStallHook
 from pksampler.train.evaluation.collapse import COLLAPSE_KEYS
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
@@ -257,6 +258,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
         hooks += mode.main_only([lambda: HeadStallHook(lambda: headed.head.last_softmax_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
+    if backend.size > 1 and running_statistics(parts.model):  # before the epoch's checkpoint and evaluation
+        hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean))
     hooks += [
         checkpoints,
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,

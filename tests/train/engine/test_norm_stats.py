@@ -1,0 +1,42 @@
+"""BatchNorm running statistics are averaged over the ranks after each epoch (Horovod copies none of them)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modeling"))
+from test_sharded_head import run_ranks  # noqa: E402
+
+from pksampler.train.config.load import load_config  # noqa: E402
+from pksampler.train.engine.norm_stats import NormStatisticsHook, running_statistics  # noqa: E402
+from pksampler.train.modeling.model import build_model  # noqa: E402
+
+
+def _model(neck: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = load_config(None, [f"model.neck={neck}", "model.width=8", "model.depth=[1]", "model.norm=group"],
+                         environ={})
+    return build_model(config.model)
+
+
+def test_each_rank_ends_the_epoch_with_the_mean_of_every_ranks_statistics():
+    def work(collectives):
+        model = _model("batch").train()
+        generator = torch.Generator().manual_seed(collectives.rank)
+        model(torch.randn(8, 3, 16, 16, generator=generator) + 3 * collectives.rank)  # each rank its own batch
+        own = [buffer.clone() for buffer in running_statistics(model)]
+        NormStatisticsHook(model, lambda t: collectives.allreduce_sum(t) / collectives.size).after_epoch()
+        return own, [buffer.clone() for buffer in running_statistics(model)]
+
+    (own0, after0), (own1, after1) = run_ranks(2, work)
+    assert len(after0) == 2 and not torch.allclose(own0[0], own1[0])  # the neck's mean and variance differed
+    for a, b, x, y in zip(after0, after1, own0, own1):
+        torch.testing.assert_close(a, b)
+        torch.testing.assert_close(a, (x + y) / 2)
+
+
+def test_a_model_without_running_statistics_has_none_to_average():
+    assert running_statistics(_model("none")) == [] and running_statistics(_model("layer")) == []

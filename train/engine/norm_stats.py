@@ -1,0 +1,46 @@
+"""BatchNorm running statistics averaged over the ranks after each epoch.
+
+A BatchNorm layer in train mode (``model.neck: batch``, ``model.norm: batch``)
+normalises each rank's own batch and keeps running statistics of it, so the
+ranks' running statistics drift apart: torch's DDP copies rank 0's to every
+rank at each forward, Horovod copies nothing. Evaluation embeds the held-out
+set on every rank with the statistics that rank holds, and ``last.pt`` keeps
+rank 0's. :class:`NormStatisticsHook` replaces every rank's running mean and
+variance by their mean over the ranks after each epoch (timm's
+``distribute_bn(reduce=True)``), before the epoch's checkpoint and
+evaluation, so both read statistics of the whole world's batches, the same on
+every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pksampler.train.engine.hooks import HookBase
+
+__all__ = ["NormStatisticsHook", "running_statistics"]
+
+
+def running_statistics(model: nn.Module) -> list[torch.Tensor]:
+    """The running mean and variance of every BatchNorm layer of ``model`` that keeps them."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
+            if module.running_mean is not None:
+                found += [module.running_mean, module.running_var]
+    return found
+
+
+class NormStatisticsHook(HookBase):
+    """After each epoch, every rank's BatchNorm running statistics become their mean over the ranks."""
+
+    def __init__(self, model: nn.Module, allreduce_mean: Callable[[torch.Tensor], Any]) -> None:
+        self.model, self.allreduce_mean = model, allreduce_mean
+
+    def after_epoch(self) -> None:
+        with torch.no_grad():
+            for buffer in running_statistics(self.model):
+                buffer.copy_(self.allreduce_mean(buffer.detach().clone()))
