@@ -276,3 +276,16 @@ def test_training_from_packed_shards_matches_the_image_folder(tmp_path):
         assert result.returncode == 0, result.stdout[-4000:]
         metrics[source] = json.loads((tmp_path / f"run_{source}" / "final_metrics.json").read_text())
     assert metrics["shards"] == metrics["folder"]
+
+
+def test_horovod_ranks_end_each_epoch_with_the_same_batch_norm_statistics(tmp_path):
+    """A BatchNorm neck normalises each rank's batch; Horovod copies no buffer, so without the epoch's average
+    the ranks would embed the held-out set with different running statistics."""
+    config = write_config(tmp_path, "neck", model__neck="batch")
+    stats = tmp_path / "stats"
+    stats.mkdir()
+    result = launch("horovodrun", HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_NORM_STATS": str(stats)})
+    assert result.returncode == 0, result.stdout[-4000:]
+    rank0, rank1 = (json.loads((stats / f"{rank}.json").read_text()) for rank in (0, 1))
+    assert len(rank0) == 2 and any(abs(v) > 1e-3 for v in rank0[0])  # the neck's mean and variance, trained
+    assert rank0 == rank1

@@ -13,6 +13,8 @@ writing under that folder (Python's audit hooks see every ``open`` and
 ``os.open``) and, after training, prints one ``[audit]`` line: rank, local
 rank, pid, the device its local rank selects on a host with two GPUs, the
 determinism settings it ran with and the files it wrote.
+``PKSAMPLER_TEST_NORM_STATS=folder``: after training every rank writes its
+BatchNorm running statistics to ``folder/<rank>.json``.
 ``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
@@ -75,6 +77,17 @@ class Audit(HookBase):
             "device_on_two_gpus": str(device), "fusion_threshold": os.environ.get("HOROVOD_FUSION_THRESHOLD"),
             "deterministic_kernels": torch.are_deterministic_algorithms_enabled(), "written": sorted(self.written)}),
             flush=True)
+
+
+class WriteNormStatistics(HookBase):
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+
+    def after_train(self) -> None:
+        from pksampler.train.engine.norm_stats import running_statistics
+
+        values = [buffer.tolist() for buffer in running_statistics(self.trainer.parts.model)]
+        (self.folder / f"{world_info()[0]}.json").write_text(json.dumps(values))
 
 
 class RaiseAt(HookBase):
@@ -170,6 +183,8 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(WritePid(os.environ["PKSAMPLER_TEST_PIDS"]))
     if os.environ.get("PKSAMPLER_TEST_AUDIT"):
         hooks.append(Audit(os.environ["PKSAMPLER_TEST_AUDIT"]))
+    if os.environ.get("PKSAMPLER_TEST_NORM_STATS"):
+        hooks.append(WriteNormStatistics(os.environ["PKSAMPLER_TEST_NORM_STATS"]))
     if os.environ.get("PKSAMPLER_TEST_RECORD"):
         hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
