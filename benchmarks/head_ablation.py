@@ -14,7 +14,8 @@ model, optimiser, global batch and number of steps, changing only the loss:
 * ``pair``: the config's pair loss (``head.name: null``);
 * ``head``: the sharded margin head alone (``head.name``, ``loss.weight: 0``),
   with the head recipe's defaults (docs/sharded-head.md);
-* ``head+pair``: both (``loss.weight: 1``, ``head.weight: 1``).
+* ``head+pair``: both (``loss.weight: 1``, ``head.weight`` as the config has it: 0.1 in
+  ``configs/folder.yaml``).
 
 Each final model (``last.pt``) is evaluated on the same held-out classes (the
 trainer's class-disjoint split): Recall@1, Recall@5, MAP@R, the collapse
@@ -183,7 +184,7 @@ def curves_png(path: Path, curves: dict[str, dict[str, list]], title: str) -> No
 
     from pksampler.train.engine.plots import smooth
 
-    figure, axes = plt.subplots(1, 4, figsize=(20, 4.5), dpi=100, layout="constrained")
+    figure, axes = plt.subplots(1, 4, figsize=(20, 5.5), dpi=100, layout="constrained")
     figure.suptitle(title, fontsize=13)
     colours = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
     for (name, c), colour in zip(curves.items(), colours):
@@ -199,7 +200,10 @@ def curves_png(path: Path, curves: dict[str, dict[str, list]], title: str) -> No
         ax.set_title(label)
         ax.set_xlabel("global step")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+    # one legend of the arms under the panels (colour: arm; in the cosine panel o = same class, x = other class)
+    axes[2].set_title("held-out mean cosine (o same class, x other class)")
+    handles, labels = axes[1].get_legend_handles_labels()
+    figure.legend(handles, labels, loc="outside lower center", ncol=min(3, len(labels)), fontsize=9)
     axes[1].set_ylim(0, 1.0)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png")
@@ -215,7 +219,9 @@ def merge(paths: list[Path], out: Path) -> None:
         run = json.loads(path.read_text(encoding="utf-8"))
         extra = " ".join(item for item in run["overrides"] if not item.startswith("data."))
         for name, row in run["rows"].items():
-            label = name if name == "pair" else f"{name}, {run['head']}" + (f", {extra}" if extra else "")
+            label = (name if name == "pair" else f"{name}, {run['head']}") + (f", {extra}" if extra else "")
+            if label in rows:  # the same arm and overrides in two runs: keep both, numbered
+                label = next(f"{label} ({n})" for n in range(2, len(rows) + 2) if f"{label} ({n})" not in rows)
             rows[label], curves[label] = row, run["curves"][name]
             if name in run["timings"]:
                 timings[label] = run["timings"][name]
@@ -270,7 +276,9 @@ def main() -> None:
     timings = {} if args.skip_training else train_arms(commands, args.parallel)
     rows, curves = {}, {}
     for name, overrides in chosen.items():
-        config = load_config(args.config, [*base, *overrides], environ={})
+        saved = workspaces[name] / "config.json"  # the run's own config (the file may have changed since)
+        config = load_config(saved if saved.exists() else args.config, [] if saved.exists() else [*base, *overrides],
+                             environ={})
         data = builders.build_data(config)
         rows[name] = evaluate_arm(config, workspaces[name] / "checkpoints" / "last.pt", data)
         curves[name] = read_curves(workspaces[name])
