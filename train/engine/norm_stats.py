@@ -41,6 +41,8 @@ class NormStatisticsHook(HookBase):
         self.model, self.allreduce_mean = model, allreduce_mean
 
     def after_epoch(self) -> None:
-        with torch.no_grad():
-            for buffer in running_statistics(self.model):
-                buffer.copy_(self.allreduce_mean(buffer.detach().clone()))
+        buffers = running_statistics(self.model)
+        with torch.no_grad():  # one all-reduce for every layer's statistics, then each back in its place
+            mean = self.allreduce_mean(torch.cat([buffer.detach().flatten() for buffer in buffers]))
+            for buffer, part in zip(buffers, mean.split([buffer.numel() for buffer in buffers])):
+                buffer.copy_(part.view_as(buffer))
