@@ -58,6 +58,17 @@ def line(tag: str, rank: int, result) -> str:
                                                "bytes": result.bytes_received})
 
 
+def stop_runtime() -> None:
+    """Close torchrun's process group: a Gloo group left to the interpreter's exit may abort it
+    ("terminate called without an active exception", SIGABRT) while its threads still run."""
+    if "--horovod" in sys.argv:
+        return
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     rank, size = start_runtime()
     from pksampler.train.evaluation import sharded_retrieval, stratified_queries
@@ -78,6 +89,7 @@ def main() -> None:
     except ValueError as error:
         if "different query_ids" in str(error):
             say(f"MISMATCH-RAISED rank {rank}")
+    stop_runtime()
 
 
 if __name__ == "__main__":
