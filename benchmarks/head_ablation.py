@@ -277,8 +277,8 @@ def main() -> None:
     rows, curves = {}, {}
     for name, overrides in chosen.items():
         saved = workspaces[name] / "config.json"  # the run's own config (the file may have changed since)
-        config = load_config(saved if saved.exists() else args.config, [] if saved.exists() else [*base, *overrides],
-                             environ={})
+        source, edits = (saved, []) if saved.exists() else (args.config, [*base, *overrides])
+        config = load_config(source, edits, environ={})
         data = builders.build_data(config)
         rows[name] = evaluate_arm(config, workspaces[name] / "checkpoints" / "last.pt", data)
         curves[name] = read_curves(workspaces[name])

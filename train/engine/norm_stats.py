@@ -26,12 +26,9 @@ __all__ = ["NormStatisticsHook", "running_statistics"]
 
 def running_statistics(model: nn.Module) -> list[torch.Tensor]:
     """The running mean and variance of every BatchNorm layer of ``model`` that keeps them."""
-    found = []
-    for module in model.modules():
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
-            if module.running_mean is not None:
-                found += [module.running_mean, module.running_var]
-    return found
+    return [buffer for module in model.modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None
+            for buffer in (module.running_mean, module.running_var)]
 
 
 class NormStatisticsHook(HookBase):
