@@ -15,6 +15,7 @@ from .sharded import ShardDamagedError, ShardedDataset
 from .split import class_disjoint_split
 from .synthetic import SyntheticProducts, render_product
 from .transforms import ToUint8, eval_preset, sample_rng, train_preset
+from .union import UnionDataset
 
 __all__ = [
     "BatchAugment",
@@ -29,6 +30,7 @@ __all__ = [
     "ShardedDataset",
     "SyntheticProducts",
     "ToUint8",
+    "UnionDataset",
     "class_disjoint_split",
     "eval_preset",
     "keyed_uniform",

@@ -79,8 +79,8 @@ class LabelledDataset(Dataset):
     :attr:`store` (the object store read from), :meth:`prefetch` (read a
     batch's bytes ahead), :attr:`shard_ids` (for ``locality="shard"``),
     :meth:`verify` and :attr:`verifiable` (digests recorded at packing),
-    :attr:`worker_start_method` (how DataLoader workers must start) and
-    :meth:`augmentation_key`. :class:`~pksampler.datasets.ShardedDataset`
+    :attr:`worker_start_method` (how DataLoader workers must start),
+    :meth:`augmentation_key` and :meth:`sources` (the datasets of a union). :class:`~pksampler.datasets.ShardedDataset`
     overrides them; :class:`LabelledSubset` forwards them to its parent.
     """
 
@@ -201,6 +201,11 @@ class LabelledDataset(Dataset):
     def verify(self, *, index: bool = True, shards: bool = True) -> None:
         """Check the data against the digests recorded when it was packed; nothing to check here (see
         :attr:`verifiable`). Raises ValueError naming the first damaged file where there is something to check."""
+
+    def sources(self) -> list[tuple[str, int, int]]:
+        """``(name, images, classes)`` of each named dataset this one joins (:class:`~pksampler.datasets.UnionDataset`);
+        empty for a single dataset."""
+        return []
 
     @property
     def worker_start_method(self) -> str | None:

@@ -7,7 +7,7 @@ hooks receive those objects, never the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -22,9 +22,11 @@ from pksampler.datasets import (
     ShardedDataset,
     SyntheticProducts,
     ToUint8,
+    UnionDataset,
     class_disjoint_split,
 )
 from pksampler.datasets.base import LabelledDataset
+from pksampler.datasets.sharded import MANIFEST as SHARD_MANIFEST
 from pksampler.locations import is_remote
 from pksampler.samplers import (
     DistributedBalancedBatchSampler,
@@ -35,6 +37,7 @@ from pksampler.samplers import (
 )
 
 from pksampler.train.solver.build import build_optimizer, build_schedule, warmup_length
+from pksampler.train.config.rules import dataset_entries
 from pksampler.train.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the schema reads this module's registries, so no runtime import back
@@ -49,6 +52,7 @@ __all__ = [
     "build_data",
     "build_optimizer",
     "build_sampler",
+    "detect_layout",
     "shard_ids_of",
     "build_schedule",
     "eval_size",
@@ -137,16 +141,73 @@ DATA_ARGS = {
 }
 
 
-def build_data(config: RunConfig) -> DataParts:
-    """Open the dataset and split its classes into train and test parts."""
-    data = config.data
+def detect_layout(location: str) -> str:
+    """The layout of one dataset: ``shards`` for an object store or a packed folder (its ``manifest.json``),
+    ``list`` for a file, ``folder`` for any other folder."""
+    if is_remote(location):
+        return "shards"
+    path = Path(location)
+    if path.is_file():
+        return "list"
+    return "shards" if (path / SHARD_MANIFEST).is_file() else "folder"
+
+
+def _entry_config(data: DataConfig, name: str, layout: str | None) -> DataConfig:
+    """The one-dataset config of entry ``name`` of ``data.datasets``: its location, layout and arguments."""
+    location = f"{str(data.root).rstrip('/')}/{name}"
+    if not is_remote(location) and not Path(location).exists():
+        present = sorted(p.name for p in Path(data.root).iterdir())[:12] if Path(data.root).is_dir() else []
+        raise ConfigError(f"data.datasets: {name!r} is not a dataset: {location} does not exist (datasets under "
+                          f"data.root={data.root}: {', '.join(present) or 'none'})")
+    layout = layout or detect_layout(location)
+    args = {k: v for k, v in data.args.items() if k != "list_file"} if layout == data.name else {}
+    if layout == "list":
+        return replace(data, name=layout, root=str(Path(location).parent), args={**args, "list_file": Path(location).name})
+    return replace(data, name=layout, root=location, args=args)
+
+
+def _union(data: DataConfig, seed: int) -> UnionDataset:
+    """``data.datasets`` under ``data.root``, each opened in its layout, as one dataset of ``<name>/<class>``."""
+    if not data.root:
+        raise ConfigError("data.root: required with data.datasets (set DATASETS_PATH, or --set data.root=...)")
+    parts = []
+    for name, layout in dataset_entries("data.datasets", data.datasets):
+        entry = _entry_config(data, name, layout)
+        parts.append((name, _open(entry, seed, where=f"data.datasets: {name!r} ({entry.name})")))
     try:
-        dataset = DATA_SOURCES[data.name](data, config.seed)
+        return UnionDataset(parts, seed=seed)
+    except ValueError as error:
+        raise ConfigError(f"data.datasets: {error}") from None
+
+
+def _open(data: DataConfig, seed: int, *, where: str) -> LabelledDataset:
+    """One dataset of ``data.name``; its errors as one ConfigError starting with ``where``."""
+    try:
+        return DATA_SOURCES[data.name](data, seed)
     except TypeError as error:
         raise ConfigError(f"data.args: {error}") from None
     except (OSError, ValueError) as error:  # a missing or empty folder, a damaged shard set, ...
-        key = "data.args.list_file" if data.name == "list" else "data.root"
-        raise ConfigError(f"{key}: {error}") from None
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {error}") from None
+
+
+def _check_combined(config: RunConfig, dataset: LabelledDataset) -> None:
+    """What the trainer cannot take from a union: a shard-local plan over datasets not packed in shards."""
+    if isinstance(dataset, UnionDataset) and config.sampler.args.get("locality") == "shard" and dataset.unsharded():
+        raise ConfigError(f"sampler.args.locality='shard' needs every dataset packed in shards, but data.datasets "
+                          f"{dataset.unsharded()} are not: pack them (python -m pksampler.datasets.pack) or drop "
+                          "the locality key")
+
+
+def build_data(config: RunConfig) -> DataParts:
+    """Open the dataset (or the union of ``data.datasets``) and split its classes into train and test parts."""
+    data = config.data
+    if data.datasets:
+        dataset: LabelledDataset = _union(data, config.seed)
+        _check_combined(config, dataset)
+    else:
+        dataset = _open(data, config.seed, where="data.args.list_file" if data.name == "list" else "data.root")
     train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
     return DataParts(
         dataset,

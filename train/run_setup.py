@@ -444,6 +444,11 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
           + (f" head={config.head.name} classes={parts.loss_fn.head.num_classes} rows/rank={parts.loss_fn.head.rows.shape[0]}"
              if isinstance(parts.loss_fn, HeadedLoss) else "")
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
+    if data.dataset.sources():
+        print("[pksampler] datasets: " + ", ".join(f"{name} {images} images {classes} classes"
+                                                   for name, images, classes in data.dataset.sources())
+              + f"; trained as one set of {len(data.dataset)} images, {data.dataset.num_classes} classes named "
+              "<dataset>/<class>", flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "
               "pass --no-resume (or another WORKSPACE) to train again", flush=True)

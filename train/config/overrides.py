@@ -1,7 +1,9 @@
 """The training platform's environment variables and ``--set key=value`` overrides.
 
 Environment (the platform's contract): ``DATASETS_PATH`` and ``DATASETS``
-(data root = ``$DATASETS_PATH/$DATASETS``; read-only), ``WORKSPACE``,
+(data root = ``$DATASETS_PATH/$DATASETS``; read-only; several names,
+``DATASETS=photos,products``, set ``data.datasets``: their union under the
+root ``$DATASETS_PATH``), ``WORKSPACE``,
 ``EPOCHS``, ``LR``, ``BATCH_SIZE`` (images per process: sets the global
 ``sampler.classes_per_step = W * BATCH_SIZE / K``, W read from the launcher's
 environment) and ``WORKER_PER_NODE`` (DataLoader workers per process).
@@ -16,7 +18,9 @@ from typing import Any, Mapping, Sequence
 import yaml
 
 from pksampler.comm import launcher_world
+from pksampler.locations import is_remote
 
+from pksampler.train.config import rules
 from pksampler.train.errors import ConfigError
 
 __all__ = ["apply_environment", "load_yaml", "parse_override", "set_path"]
@@ -118,9 +122,7 @@ def apply_environment(tree: dict, environ: Mapping[str, str], *, overrides: Sequ
     is resolved with the sampler and K they give, not the file's.
     """
     if environ.get("DATASETS_PATH") or environ.get("DATASETS"):
-        base = Path(environ.get("DATASETS_PATH", "."))
-        sub = environ.get("DATASETS") or tree.get("data", {}).get("root") or ""
-        set_path(tree, "data.root", str(base / sub))
+        _apply_datasets(tree, environ)
     if environ.get("WORKSPACE"):
         set_path(tree, "workspace", environ["WORKSPACE"])
     if environ.get("EPOCHS"):
@@ -131,6 +133,21 @@ def apply_environment(tree: dict, environ: Mapping[str, str], *, overrides: Sequ
         set_path(tree, "data.workers", _number(environ, "WORKER_PER_NODE", int))
     if environ.get("BATCH_SIZE"):
         _apply_batch_size(tree, _number(environ, "BATCH_SIZE", int), environ, overrides)
+
+
+def _apply_datasets(tree: dict, environ: Mapping[str, str]) -> None:
+    """``DATASETS`` under ``DATASETS_PATH``: one name is the data root; several (commas) or ``name:layout`` are
+    ``data.datasets`` under the root ``DATASETS_PATH``, trained as their union."""
+    base = environ.get("DATASETS_PATH", ".")
+    names = environ.get("DATASETS", "")
+    if "," in names or ":" in names:
+        where = f"environment variable DATASETS={names!r}"
+        entries = rules.dataset_entries(where, names.split(","))
+        set_path(tree, "data.root", base)
+        set_path(tree, "data.datasets", [name if layout is None else f"{name}:{layout}" for name, layout in entries])
+        return
+    sub = names or tree.get("data", {}).get("root") or ""
+    set_path(tree, "data.root", str(Path(base) / sub) if not is_remote(base) else f"{base.rstrip('/')}/{sub}")
 
 
 def _apply_batch_size(tree: dict, per_process: int, environ: Mapping[str, str],

@@ -22,6 +22,8 @@ __all__ = [
     "boolean",
     "choice",
     "closed_interval",
+    "dataset_entries",
+    "dataset_names",
     "int_at_least",
     "int_between",
     "non_empty_string",
@@ -96,6 +98,50 @@ def non_negative_finite(path: str, value: Any) -> None:
 def non_empty_string(path: str, value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{path}: must be a non-empty string, got {value!r}")
+
+
+#: layouts an entry of ``data.datasets`` may name after a colon (``photos:folder``); detected when left out
+DATASET_LAYOUTS = ("folder", "list", "shards")
+
+
+def dataset_entries(where: str, entries: Iterable[Any]) -> list[tuple[str, str | None]]:
+    """``[(name, layout or None)]`` of ``data.datasets`` entries (``name`` or ``name:layout``), checked.
+
+    A name is a relative path under the datasets' root: not empty, not absolute, no ``..`` part (it would
+    leave ``DATASETS_PATH``), never two entries for one dataset (its classes would count twice). ``where``
+    names the source in the message (``data.datasets`` or the ``DATASETS`` variable).
+    """
+    seen: dict[str, int] = {}
+    result = []
+    for position, entry in enumerate(entries, start=1):
+        if not isinstance(entry, str):
+            raise ConfigError(f"{where}: entry {position} must be a dataset name (a string), got {entry!r}")
+        name, colon, layout = entry.partition(":")
+        name, layout = name.strip(), layout.strip()
+        if colon and layout not in DATASET_LAYOUTS:
+            raise ConfigError(f"{where}: entry {position} {entry!r} names the layout {layout!r}; after a colon "
+                              f"give one of {list(DATASET_LAYOUTS)}, or leave it out to detect it")
+        parts = [part for part in name.replace("\\", "/").split("/") if part not in ("", ".")]
+        if not parts:
+            raise ConfigError(f"{where}: entry {position} is empty ({entry!r}); give one dataset name between "
+                              "single commas")
+        if name.startswith("/") or ".." in parts:
+            raise ConfigError(f"{where}: entry {position} {entry!r} leaves the datasets' root; a dataset is a "
+                              "name under DATASETS_PATH, with no '..' and no leading '/'")
+        key = "/".join(parts)
+        if key in seen:
+            raise ConfigError(f"{where}: entry {position} {entry!r} repeats entry {seen[key]}; every dataset is "
+                              "listed once (its classes would count twice)")
+        seen[key] = position
+        result.append((key, layout or None))
+    return result
+
+
+def dataset_names(path: str, value: Any) -> None:
+    """``data.datasets``: a list of entries accepted by :func:`dataset_entries`."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: must be a list of dataset names, got {value!r}")
+    dataset_entries(path, value)
 
 
 def open_interval(low: float, high: float) -> Rule:

@@ -71,11 +71,18 @@ class DataConfig:
     ``root``) or ``shards`` (ShardedDataset: packed tar shards under ``root``,
     or ``s3://bucket/prefix``). The ``data.args.*`` rows list each source's
     arguments; ``decode_size`` defaults to ``image_size`` here.
+
+    ``datasets``: several datasets under ``root`` trained as one union (the
+    ``DATASETS`` variable with commas sets it): each entry is a name, or
+    ``name:folder|list|shards`` where detection should not decide; classes are
+    ``<name>/<class>``, never merged across datasets; ``args`` go to the
+    entries of ``name``'s layout. A resume must keep the list.
     """
 
     name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
     args: Mapping[str, Any] = field(default_factory=lambda: {"num_classes": 160, "images_per_class": 16, "image_size": 48})
     root: str | None = _rule(None, None, resumable=True)
+    datasets: tuple[str, ...] = _rule((), rules.dataset_names)
     test_fraction: float = _rule(0.3, rules.open_interval(0.0, 1.0))
     image_size: int = _rule(40, rules.positive_int)
     workers: int = _rule(1, rules.int_at_least(0), resumable=True, local=True)
