@@ -30,6 +30,8 @@ import torch
 
 __all__ = [
     "LAUNCHER_ENVIRONMENT",
+    "add_local_rank_argument",
+    "adopt_local_rank",
     "all_gather",
     "all_gather_numpy",
     "allreduce_mean",
@@ -155,6 +157,33 @@ def local_rank() -> int:
         return int(hvd.local_rank())
     found = launcher_world()
     return found[2] if found is not None else 0
+
+
+def add_local_rank_argument(parser: Any) -> None:
+    """Accept ``--local-rank=N`` and ``--local_rank N`` on an ``argparse`` parser.
+
+    ``python -m torch.distributed.launch`` passes one of them to every process
+    it starts (its guide: a script must accept it even if unused). Pass the
+    parsed value to :func:`adopt_local_rank`.
+    """
+    parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, metavar="N",
+                        help="this process's rank on its node, as python -m torch.distributed.launch passes it "
+                             "(must agree with LOCAL_RANK; selects the GPU as LOCAL_RANK does)")
+
+
+def adopt_local_rank(value: int | None, environ: Any = None) -> None:
+    """Make the launcher's ``--local-rank`` argument and ``LOCAL_RANK`` one value: the variable is set from the
+    argument when missing, so the device is picked from it; a disagreement is a ValueError naming both."""
+    environ = os.environ if environ is None else environ
+    if value is None:
+        return
+    if value < 0:
+        raise ValueError(f"--local-rank={value}: must be an integer >= 0 (this process's rank on its node)")
+    given = environ.get("LOCAL_RANK")
+    if given is not None and given.strip() != str(value):
+        raise ValueError(f"--local-rank={value} disagrees with the environment variable LOCAL_RANK={given!r}: the "
+                         "launcher gives every process one local rank; pass one of them, or the same value")
+    environ["LOCAL_RANK"] = str(value)
 
 
 def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int] | None = None) -> torch.Tensor:

@@ -4,12 +4,14 @@ Usage::
 
     horovodrun -np 16 python train/retrieval.py [--config configs/products.yaml] [--set key=value ...]
     torchrun --nproc_per_node 2 train/retrieval.py
+    python -m torch.distributed.launch --nproc_per_node 2 train/retrieval.py   # passes --local-rank=N
     python train/retrieval.py                      # one process, the synthetic default
 
 With no arguments it trains on the built-in synthetic product set
 (configs/demo.yaml). Environment variables of the training platform override
-the file: DATASETS_PATH, DATASETS, WORKSPACE, EPOCHS, LR, BATCH_SIZE,
-WORKER_PER_NODE; ``--set`` overrides both.
+the file: DATASETS_PATH, DATASETS (several names, comma-separated: their
+union), WORKSPACE, EPOCHS, LR, BATCH_SIZE, WORKER_PER_NODE; ``--set``
+overrides both. BACKEND picks torch.distributed's backend (gloo, nccl, mpi).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ _PEER_WAIT_SECONDS = 30.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from pksampler.comm import add_local_rank_argument
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=None,
                         help=f"YAML run config (default: {DEFAULT_CONFIG.relative_to(HERE.parent)})")
@@ -42,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--resume", dest="resume", action="store_true", default=None,
                         help="continue from WORKSPACE/checkpoints/last.pt (the default when it exists)")
     parser.add_argument("--no-resume", dest="resume", action="store_false", help="start afresh")
+    add_local_rank_argument(parser)
     return parser.parse_args(argv)
 
 
@@ -109,6 +114,13 @@ def _last_line(error: BaseException) -> str:
 def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     """Parse arguments, load the config, train; returns the exit status (2: config or data error)."""
     args = parse_args(argv)
+    from pksampler.comm import adopt_local_rank
+
+    try:
+        adopt_local_rank(args.local_rank)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        return 2
     from pksampler.datasets import ShardDamagedError
     from pksampler.datasets.objectstore import ObjectStoreError
     from pksampler.samplers import SamplerMismatchError

@@ -437,7 +437,8 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
     lr = parts.optimizer.param_groups[0].get("initial_lr", parts.optimizer.param_groups[0]["lr"])
     setup = backend.setup
     print(f"[pksampler] backend={backend.name} world={backend.size} device={setup.device} precision={setup.precision} "
-          f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
+          + (f"process_group={backend.process_group} " if backend.process_group else "")
+          + f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
           f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
           + (f" chunk={trainer.chunk_size}" if isinstance(trainer, CachedTrainer) else "")

@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from pksampler.comm import add_local_rank_argument, adopt_local_rank
 from pksampler.train.errors import ConfigError
 
 __all__ = ["build_index_main", "embed_main", "export_main", "query_main"]
@@ -103,7 +104,8 @@ def export_main(argv: list[str] | None = None) -> int:
 
 
 def embed_main(argv: list[str] | None = None) -> int:
-    parser = _parser("Embed a catalogue's images into .npy parts, on one process, under horovodrun or torchrun.")
+    parser = _parser("Embed a catalogue's images into .npy parts, on one process, under horovodrun or torchrun (or "
+                     "python -m torch.distributed.launch).")
     parser.add_argument("--checkpoint", type=Path, required=True, help="best.pt or last.pt written by train/retrieval.py")
     parser.add_argument("--data", required=True, help="an image folder, a list file, a packed shard folder or s3://...")
     parser.add_argument("--out", type=Path, required=True, help="the catalogue folder (parts and manifest.json)")
@@ -114,9 +116,14 @@ def embed_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="auto", help="auto, fp32, bf16 or fp16 (autocast)")
     parser.add_argument("--max-bad-fraction", type=float, default=0.01, help="fail above this share of bad images")
     parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    add_local_rank_argument(parser)
     args = parser.parse_args(argv)
 
     def step() -> None:
+        try:
+            adopt_local_rank(args.local_rank)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         from pksampler.train.catalogue.embed import EmbedOptions, embed_catalogue
         from pksampler.train.runtime.distributed import make_backend
 

@@ -39,6 +39,7 @@ from pksampler.world import World
 from pksampler.train.runtime.device import (DeviceSetup, horovod_cpu_defaults, horovod_elastic_defaults,
                                             setup_device)
 from pksampler.train.runtime.launch_store import launch_store
+from pksampler.train.runtime.process_group import choose_backend
 
 __all__ = ["Backend", "CollectiveTimeout", "HorovodBackend", "TorchBackend", "make_backend"]
 
@@ -57,6 +58,8 @@ class Backend:
     """Single process: every collective is the identity (through :mod:`pksampler.comm`)."""
 
     name = "none"
+    #: torch.distributed's backend under the process group (``TorchBackend``), None for Horovod and one process
+    process_group: str | None = None
     #: whether the gathered batch's loss is multiplied by the world size (Horovod; see the module's docstring)
     scales_gathered_loss = False
 
@@ -226,9 +229,11 @@ class HorovodBackend(Backend):
 
 
 class TorchBackend(Backend):
-    """torch.distributed (``torchrun``): NCCL with ``device_ids=[local_rank]`` on GPUs, gloo on the CPU."""
+    """torch.distributed (``torchrun``): NCCL with ``device_ids=[local_rank]`` on GPUs, gloo on the CPU, or the
+    platform's ``BACKEND`` (:mod:`.process_group`)."""
 
     name = "torch"
+    process_group: str | None = "gloo"
 
     def __init__(self, device: str = "auto", precision: str = "auto", *, collective_timeout: float = 300.0) -> None:
         import torch.distributed as dist
@@ -237,7 +242,10 @@ class TorchBackend(Backend):
         local = found[2] if found is not None else 0
         setup = setup_device(device, precision, local)  # pin the GPU before NCCL starts
         if not dist.is_initialized():
-            _init_process_group(dist, "nccl" if setup.is_cuda else "gloo", setup, collective_timeout)
+            self.process_group = choose_backend(setup.device, os.environ, dist=dist)
+            _init_process_group(dist, self.process_group, setup, collective_timeout)
+        else:
+            self.process_group = str(dist.get_backend())
         self.dist = dist
         super().__init__(device, precision, setup=setup)
         self.collective_timeout = collective_timeout
@@ -303,7 +311,7 @@ class TorchBackend(Backend):
 
     @property
     def collective_device(self) -> torch.device | None:
-        return self.device if self.setup.is_cuda else None
+        return self.device if self.process_group == "nccl" else None
 
     def broadcast_state(self, model, optimizer) -> None:
         for tensor in model.state_dict().values():
@@ -343,7 +351,7 @@ def _init_process_group(dist: Any, backend: str, setup: DeviceSetup, collective_
     rank = int(os.environ.get("RANK", "0"))
     store = launch_store(rank, connect_seconds=connect)
     options: dict[str, Any] = {"device_id": setup.device} if backend == "nccl" else {}
-    if store is None:
+    if store is None or backend == "mpi":  # MPI meets through its own launcher, not a store
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=collective_timeout), **options)
         return
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=int(os.environ["WORLD_SIZE"]),
