@@ -173,23 +173,26 @@ def _union(data: DataConfig, seed: int) -> UnionDataset:
     parts = []
     for name, layout in dataset_entries("data.datasets", data.datasets):
         entry = _entry_config(data, name, layout)
-        parts.append((name, _open(entry, seed, where=f"data.datasets: {name!r} ({entry.name})")))
+        parts.append((name, _open(entry, seed, entry=name)))
     try:
         return UnionDataset(parts, seed=seed)
     except ValueError as error:
         raise ConfigError(f"data.datasets: {error}") from None
 
 
-def _open(data: DataConfig, seed: int, *, where: str) -> LabelledDataset:
-    """One dataset of ``data.name``; its errors as one ConfigError starting with ``where``."""
+def _open(data: DataConfig, seed: int, *, entry: str | None = None) -> LabelledDataset:
+    """One dataset of ``data.name``; its errors as one ConfigError naming the key, or the ``data.datasets`` entry."""
+    where = f" (data.datasets: {entry!r}, {data.name})" if entry else ""
     try:
         return DATA_SOURCES[data.name](data, seed)
     except TypeError as error:
-        raise ConfigError(f"data.args: {error}") from None
+        raise ConfigError(f"data.args{where}: {error}") from None
     except (OSError, ValueError) as error:  # a missing or empty folder, a damaged shard set, ...
         if isinstance(error, ConfigError):
             raise
-        raise ConfigError(f"{where}: {error}") from None
+        key = f"data.datasets: {entry!r} ({data.name})" if entry else (
+            "data.args.list_file" if data.name == "list" else "data.root")
+        raise ConfigError(f"{key}: {error}") from None
 
 
 def _check_combined(config: RunConfig, dataset: LabelledDataset) -> None:
@@ -207,7 +210,7 @@ def build_data(config: RunConfig) -> DataParts:
         dataset: LabelledDataset = _union(data, config.seed)
         _check_combined(config, dataset)
     else:
-        dataset = _open(data, config.seed, where="data.args.list_file" if data.name == "list" else "data.root")
+        dataset = _open(data, config.seed)
     train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
     return DataParts(
         dataset,

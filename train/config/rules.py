@@ -104,7 +104,7 @@ def non_empty_string(path: str, value: Any) -> None:
 DATASET_LAYOUTS = ("folder", "list", "shards")
 
 
-def dataset_entries(where: str, entries: Iterable[Any]) -> list[tuple[str, str | None]]:
+def dataset_entries(where: str, entries: Iterable[str]) -> list[tuple[str, str | None]]:
     """``[(name, layout or None)]`` of ``data.datasets`` entries (``name`` or ``name:layout``), checked.
 
     A name is a relative path under the datasets' root: not empty, not absolute, no ``..`` part (it would
@@ -114,8 +114,6 @@ def dataset_entries(where: str, entries: Iterable[Any]) -> list[tuple[str, str |
     seen: dict[str, int] = {}
     result = []
     for position, entry in enumerate(entries, start=1):
-        if not isinstance(entry, str):
-            raise ConfigError(f"{where}: entry {position} must be a dataset name (a string), got {entry!r}")
         name, colon, layout = entry.partition(":")
         name, layout = name.strip(), layout.strip()
         if colon and layout not in DATASET_LAYOUTS:
@@ -138,9 +136,7 @@ def dataset_entries(where: str, entries: Iterable[Any]) -> list[tuple[str, str |
 
 
 def dataset_names(path: str, value: Any) -> None:
-    """``data.datasets``: a list of entries accepted by :func:`dataset_entries`."""
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{path}: must be a list of dataset names, got {value!r}")
+    """``data.datasets``: entries accepted by :func:`dataset_entries` (the schema has checked they are strings)."""
     dataset_entries(path, value)
 
 

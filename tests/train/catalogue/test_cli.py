@@ -92,3 +92,19 @@ def test_the_query_command_refuses_an_out_that_is_a_file_before_any_work(tmp_pat
     assert cli.query_main(argv) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("error: --out: ") and "cannot be used as a folder" in err, err
+
+
+def test_embed_takes_the_legacy_launchers_local_rank_in_both_spellings(tmp_path, monkeypatch, capsys):
+    """``python -m torch.distributed.launch`` passes ``--local-rank=N``; it must agree with LOCAL_RANK."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    base = ["--checkpoint", str(tmp_path / "none.pt"), "--data", str(tmp_path), "--out", str(tmp_path / "out")]
+    assert cli.embed_main([*base, "--local-rank=0"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --local-rank=0 disagrees with the environment variable "
+                                               "LOCAL_RANK='1': the launcher gives every process one local rank; "
+                                               "pass one of them, or the same value")
+    monkeypatch.delenv("LOCAL_RANK")
+    assert cli.embed_main([*base, "--local_rank", "0"]) == 2  # accepted; then the missing checkpoint is the error
+    err = capsys.readouterr().err
+    assert "none.pt" in err and "local" not in err and len(err.strip().splitlines()) == 1
+    assert cli.os.environ["LOCAL_RANK"] == "0"
+    monkeypatch.delenv("LOCAL_RANK")

@@ -1,0 +1,73 @@
+"""UnionDataset: one label space over named datasets, classes namespaced, samples and shards routed to their part."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pksampler.datasets import ImageFolderDataset, ShardedDataset, UnionDataset
+from pksampler.datasets.pack import pack
+
+
+def grey_folder(root: Path, classes: int, per_class: int, base: int) -> Path:
+    """``root/c<k>/<i>.png``: flat PNGs of grey ``base + 10 * k + i``, so a decoded pixel names its sample."""
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(np.full((8, 8, 3), base + 10 * c + i, np.uint8)).save(root / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("union")
+    photos = grey_folder(root / "photos", classes=3, per_class=2, base=0)
+    products = grey_folder(root / "products", classes=2, per_class=3, base=100)
+    pack(grey_folder(root / "src", classes=2, per_class=4, base=200), root / "packed", shard_size="4KB")
+    return {"photos": photos, "products": products, "packed": root / "packed"}
+
+
+def test_equal_class_names_stay_apart_and_labels_follow_each_part(parts):
+    photos, products = ImageFolderDataset(parts["photos"]), ImageFolderDataset(parts["products"])
+    assert photos.classes[:2] == products.classes  # both have c0 and c1
+    union = UnionDataset([("photos", photos), ("products", products)])
+    assert union.classes == ["photos/c0", "photos/c1", "photos/c2", "products/c0", "products/c1"]
+    assert union.num_classes == 5 and len(union) == 12
+    assert union.labels.tolist() == [0, 0, 1, 1, 2, 2, 3, 3, 3, 4, 4, 4]
+    assert union.sources() == [("photos", 6, 3), ("products", 6, 2)]
+    assert photos.sources() == []
+    for index in range(len(union)):  # every sample decodes from its own part: the grey level names it
+        part, inner = union.locate(index)
+        grey = int(np.asarray(union.load(index))[0, 0, 0])
+        assert grey == int(np.asarray([photos, products][part].load(inner))[0, 0, 0])
+        assert (grey >= 100) == (part == 1)
+    assert union.describe(7).startswith("products: ") and union.describe(7).endswith(".png")
+
+
+def test_shard_ids_only_when_every_part_is_packed_and_numbered_apart(parts):
+    packed = ShardedDataset(parts["packed"])
+    twice = UnionDataset([("a", packed), ("b", ShardedDataset(parts["packed"]))])
+    ids = twice.shard_ids
+    shards = int(packed.shard_ids.max()) + 1
+    assert shards > 1
+    assert ids.tolist() == packed.shard_ids.tolist() + (packed.shard_ids + shards).tolist()
+    assert twice.unsharded() == [] and twice.verifiable
+    mixed = UnionDataset([("photos", ImageFolderDataset(parts["photos"])), ("packed", packed)])
+    assert mixed.shard_ids is None and mixed.unsharded() == ["photos"]
+    mixed.prefetch([0, 7, 8])  # routed to the parts, offsets removed: the shard part reads its samples 1 and 2
+    assert int(np.asarray(mixed.load(8))[0, 0, 0]) == 202
+
+
+def test_bad_parts_are_named(parts):
+    photos = ImageFolderDataset(parts["photos"])
+    with pytest.raises(ValueError, match=r"part 1 is named 'photos'"):
+        UnionDataset([("photos", photos), ("photos", photos)])
+    with pytest.raises(ValueError, match="at least one"):
+        UnionDataset([])
+    empty = ImageFolderDataset(parts["photos"])
+    empty.paths, empty.labels = [], empty.labels[:0]
+    with pytest.raises(ValueError, match="dataset 'none' has no images"):
+        UnionDataset([("photos", photos), ("none", empty)])

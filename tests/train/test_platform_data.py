@@ -1,0 +1,85 @@
+"""build_data over DATASETS: each entry opened in its detected (or given) layout, one label space, one split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pksampler.datasets import UnionDataset
+from pksampler.datasets.pack import pack
+from pksampler.train.builders import build_data, detect_layout
+from pksampler.train.config.load import ConfigError, load_config
+from tiny_runs import TINY
+
+
+def grey_folder(root: Path, classes: int, per_class: int) -> Path:
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            Image.fromarray(np.full((8, 8, 3), 10 * c + i, np.uint8)).save(root / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="module")
+def datasets_path(tmp_path_factory) -> Path:
+    """DATASETS_PATH with a folder (photos), another (products), a packed set and a list file over both folders."""
+    root = tmp_path_factory.mktemp("mounted")
+    grey_folder(root / "photos", classes=6, per_class=3)
+    grey_folder(root / "products", classes=4, per_class=3)
+    pack(grey_folder(root.parent / f"{root.name}-src", classes=5, per_class=3), root / "packed", shard_size="4KB")
+    # the documented way to merge classes across datasets: one list file naming both folders' images
+    rows = [f"photos/c0/{i}.png,same" for i in range(3)] + [f"products/c0/{i}.png,same" for i in range(3)]
+    (root / "merged.csv").write_text("path,label\n" + "\n".join(rows) + "\n")
+    return root
+
+
+def union_config(datasets_path: Path, names: str, *extra: str):
+    return load_config(None, [*TINY, "data.name=folder", "data.args={}", *extra],
+                       environ={"DATASETS_PATH": str(datasets_path), "DATASETS": names})
+
+
+def test_layouts_are_detected_per_entry(datasets_path):
+    assert detect_layout(str(datasets_path / "photos")) == "folder"
+    assert detect_layout(str(datasets_path / "packed")) == "shards"
+    assert detect_layout(str(datasets_path / "merged.csv")) == "list"
+    assert detect_layout("s3://bucket/sets/packed") == "shards"
+
+
+def test_the_union_is_one_label_space_with_one_class_disjoint_split(datasets_path):
+    # data.args are the folder layout's (data.name): a shard set would refuse skip_bad, so it must not get them
+    config = union_config(datasets_path, "photos,products,packed,merged.csv", "data.args={skip_bad: true}")
+    data = build_data(config)
+    union = data.dataset
+    assert isinstance(union, UnionDataset)
+    assert union.sources() == [("photos", 18, 6), ("products", 12, 4), ("packed", 15, 5), ("merged.csv", 6, 1)]
+    assert union.classes[:2] == ["photos/c0", "photos/c1"] and "products/c0" in union.classes
+    assert union.classes[-1] == "merged.csv/same"  # six images of two folders, one class: merged on purpose
+    assert len(union) == 51 and union.num_classes == 16
+    train, test = set(data.train.labels.tolist()), set(data.test.labels.tolist())
+    assert not train & test and train | test == set(range(16))
+    assert len(test) == round(16 * config.data.test_fraction)
+    assert len(data.train) + len(data.test) == 51
+
+
+def test_data_args_reach_only_the_named_layout_and_a_given_layout_wins(datasets_path):
+    with pytest.raises(ConfigError, match=r"data.args \(data.datasets: 'products', folder\): .*'num_classes'"):
+        build_data(load_config(None, [*TINY, "data.name=folder"],  # TINY's synthetic arguments reach the folders
+                               environ={"DATASETS_PATH": str(datasets_path), "DATASETS": "packed,products"}))
+    with pytest.raises(ConfigError, match=r"data.datasets: 'packed' \(folder\): .*packed") as caught:
+        build_data(union_config(datasets_path, "photos,packed:folder"))
+    assert "\n" not in str(caught.value)
+
+
+def test_a_missing_dataset_names_itself_and_what_is_there(datasets_path):
+    with pytest.raises(ConfigError, match=r"data.datasets: 'glyphs' is not a dataset: .*glyphs does not exist "
+                                          r"\(datasets under data.root=.*: merged.csv, packed, photos, products\)"):
+        build_data(union_config(datasets_path, "photos,glyphs"))
+
+
+def test_a_shard_local_plan_cannot_take_unpacked_datasets(datasets_path):
+    with pytest.raises(ConfigError, match=r"locality='shard' needs every dataset packed in shards, but "
+                                          r"data.datasets \['photos'\] are not"):
+        build_data(union_config(datasets_path, "photos,packed", "sampler.args={locality: shard}"))
