@@ -21,6 +21,9 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 LAUNCHERS = ("horovodrun", "torchrun")
+#: torch's older launcher: torchrun's agent, but it passes ``--local-rank=N`` to the script (not in LAUNCHERS: one
+#: test is enough)
+LEGACY = "torch.distributed.launch"
 
 
 def free_port() -> int:
@@ -34,10 +37,11 @@ def launch_command(launcher: str, script: str | Path, *args: str, np: int = 2, h
     if launcher == "horovodrun":
         return [str(HOROVODRUN), "-np", str(np), "-H", hosts or f"localhost:{np}", "--start-timeout", "120",
                 sys.executable, str(script), *args]
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(np),
+    if launcher in ("torchrun", LEGACY):
+        module = "torch.distributed.run" if launcher == "torchrun" else LEGACY
+        return [sys.executable, "-m", module, "--nproc_per_node", str(np),
                 "--master_port", str(free_port()), str(script), *args]
-    raise ValueError(f"launcher must be one of {LAUNCHERS}, got {launcher!r}")
+    raise ValueError(f"launcher must be one of {LAUNCHERS + (LEGACY,)}, got {launcher!r}")
 
 
 def _environment(env: dict[str, str] | None) -> dict[str, str]:
