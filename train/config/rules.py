@@ -137,6 +137,9 @@ def dataset_entries(where: str, entries: Iterable[str]) -> list[tuple[str, str |
 
 def dataset_names(path: str, value: Any) -> None:
     """``data.datasets``: entries accepted by :func:`dataset_entries` (the schema has checked they are strings)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path}: must be a list of names under data.root, each once, with no '..' (a name or "
+                          f"name:{'|'.join(DATASET_LAYOUTS)}), got {value!r}")
     dataset_entries(path, value)
 
 

@@ -82,6 +82,7 @@ class DataConfig:
     name: str = _rule("synthetic", rules.choice(lambda: _registry("data")))
     args: Mapping[str, Any] = field(default_factory=lambda: {"num_classes": 160, "images_per_class": 16, "image_size": 48})
     root: str | None = _rule(None, None, resumable=True)
+    # several datasets under root, trained as their union (`DATASETS=a,b` sets it); classes are `<name>/<class>`
     datasets: tuple[str, ...] = _rule((), rules.dataset_names)
     test_fraction: float = _rule(0.3, rules.open_interval(0.0, 1.0))
     image_size: int = _rule(40, rules.positive_int)
