@@ -7,6 +7,8 @@ root ``$DATASETS_PATH``), ``WORKSPACE``,
 ``EPOCHS``, ``LR``, ``BATCH_SIZE`` (images per process: sets the global
 ``sampler.classes_per_step = W * BATCH_SIZE / K``, W read from the launcher's
 environment) and ``WORKER_PER_NODE`` (DataLoader workers per process).
+``BACKEND`` is torch.distributed's, read where the process group starts
+(:mod:`pksampler.train.runtime.process_group`).
 """
 
 from __future__ import annotations
