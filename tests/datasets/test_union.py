@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -71,3 +72,14 @@ def test_bad_parts_are_named(parts):
     empty.paths, empty.labels = [], empty.labels[:0]
     with pytest.raises(ValueError, match="dataset 'none' has no images"):
         UnionDataset([("photos", photos), ("none", empty)])
+
+
+def test_object_stores_of_the_parts_report_as_one(parts):
+    """The per-epoch request report reads one store: the parts' counts summed; workers spawn for any remote part."""
+    local, first, second = (ImageFolderDataset(parts["photos"]) for _ in range(3))
+    assert UnionDataset([("a", local), ("b", first)]).store is None
+    first.store = SimpleNamespace(counts=lambda: (3, 300))
+    second.store = SimpleNamespace(counts=lambda: (4, 400))
+    one = UnionDataset([("a", local), ("b", first)])
+    assert one.store is first.store and one.worker_start_method == "spawn"
+    assert UnionDataset([("a", first), ("b", local), ("c", second)]).store.counts() == (7, 700)
