@@ -5,8 +5,8 @@ Example::
     >>> photos = SyntheticProducts(num_classes=3, images_per_class=2)
     >>> glyphs = SyntheticProducts(num_classes=2, images_per_class=2)
     >>> both = UnionDataset([("photos", photos), ("glyphs", glyphs)])
-    >>> both.classes[:4], both.labels.tolist()  # doctest: +NORMALIZE_WHITESPACE
-    (['photos/product_00000', 'photos/product_00001', 'photos/product_00002', 'glyphs/product_00000'], [0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
+    >>> both.classes[3], both.labels.tolist()
+    ('glyphs/product_00000', [0, 0, 1, 1, 2, 2, 3, 3, 4, 4])
 
 1. Part ``i``'s samples follow part ``i - 1``'s: sample offsets and label
    offsets are cumulative sums, so part ``i``'s class ``c`` is global class

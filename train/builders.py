@@ -162,7 +162,8 @@ def _entry_config(data: DataConfig, name: str, layout: str | None) -> DataConfig
     layout = layout or detect_layout(location)
     args = {k: v for k, v in data.args.items() if k != "list_file"} if layout == data.name else {}
     if layout == "list":
-        return replace(data, name=layout, root=str(Path(location).parent), args={**args, "list_file": Path(location).name})
+        list_file = Path(location)
+        return replace(data, name=layout, root=str(list_file.parent), args={**args, "list_file": list_file.name})
     return replace(data, name=layout, root=location, args=args)
 
 
@@ -182,22 +183,21 @@ def _union(data: DataConfig, seed: int) -> UnionDataset:
 
 def _open(data: DataConfig, seed: int, *, entry: str | None = None) -> LabelledDataset:
     """One dataset of ``data.name``; its errors as one ConfigError naming the key, or the ``data.datasets`` entry."""
-    where = f" (data.datasets: {entry!r}, {data.name})" if entry else ""
+    named = f"data.datasets: {entry!r} ({data.name})" if entry else None
     try:
         return DATA_SOURCES[data.name](data, seed)
     except TypeError as error:
-        raise ConfigError(f"data.args{where}: {error}") from None
+        raise ConfigError(f"data.args{f' ({named})' if named else ''}: {error}") from None
     except (OSError, ValueError) as error:  # a missing or empty folder, a damaged shard set, ...
         if isinstance(error, ConfigError):
             raise
-        key = f"data.datasets: {entry!r} ({data.name})" if entry else (
-            "data.args.list_file" if data.name == "list" else "data.root")
+        key = named or ("data.args.list_file" if data.name == "list" else "data.root")
         raise ConfigError(f"{key}: {error}") from None
 
 
-def _check_combined(config: RunConfig, dataset: LabelledDataset) -> None:
+def _check_combined(config: RunConfig, dataset: UnionDataset) -> None:
     """What the trainer cannot take from a union: a shard-local plan over datasets not packed in shards."""
-    if isinstance(dataset, UnionDataset) and config.sampler.args.get("locality") == "shard" and dataset.unsharded():
+    if config.sampler.args.get("locality") == "shard" and dataset.unsharded():
         raise ConfigError(f"sampler.args.locality='shard' needs every dataset packed in shards, but data.datasets "
                           f"{dataset.unsharded()} are not: pack them (python -m pksampler.datasets.pack) or drop "
                           "the locality key")
@@ -207,8 +207,9 @@ def build_data(config: RunConfig) -> DataParts:
     """Open the dataset (or the union of ``data.datasets``) and split its classes into train and test parts."""
     data = config.data
     if data.datasets:
-        dataset: LabelledDataset = _union(data, config.seed)
-        _check_combined(config, dataset)
+        union = _union(data, config.seed)
+        _check_combined(config, union)
+        dataset: LabelledDataset = union
     else:
         dataset = _open(data, config.seed)
     train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)

@@ -65,7 +65,7 @@ def test_the_union_is_one_label_space_with_one_class_disjoint_split(datasets_pat
 
 
 def test_data_args_reach_only_the_named_layout_and_a_given_layout_wins(datasets_path):
-    with pytest.raises(ConfigError, match=r"data.args \(data.datasets: 'products', folder\): .*'num_classes'"):
+    with pytest.raises(ConfigError, match=r"data.args \(data.datasets: 'products' \(folder\)\): .*'num_classes'"):
         build_data(load_config(None, [*TINY, "data.name=folder"],  # TINY's synthetic arguments reach the folders
                                environ={"DATASETS_PATH": str(datasets_path), "DATASETS": "packed,products"}))
     with pytest.raises(ConfigError, match=r"data.datasets: 'packed' \(folder\): .*packed") as caught:
