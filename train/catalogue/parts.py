@@ -284,10 +284,11 @@ def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
     more vectors than its parts hold is refused before any work; then each
     part's record (the manifest's model), values and ids, one part at a time.
     """
-    out, digest = Path(out), str((manifest.get("model") or {}).get("digest"))
-    arrays = [(entry, *_checked_part(out, entry, int(manifest["dim"]), mmap=True)) for entry in manifest["parts"]
-              if entry["count"]]
-    for entry, embeddings, ids in arrays:
+    out, digest, dim = Path(out), str((manifest.get("model") or {}).get("digest")), int(manifest["dim"])
+    filled = [entry for entry in manifest["parts"] if entry["count"]]
+    for entry in filled:
+        _checked_part(out, entry, dim, mmap=True)  # the headers: nothing of the data is read
+    for entry in filled:
         record_path = _paths(out, entry["part"])[2]
         record = read_record(out, entry["part"])
         if record is None:
@@ -296,7 +297,7 @@ def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
             raise ConfigError(f"{record_path}: embedded by another model (digest "
                               f"{str(record.get('model_digest'))[:12]}, the manifest's {digest[:12]}); embed the "
                               "catalogue again into a folder of its own")
-        _check_values(out, entry, manifest["plan"], embeddings, ids)
+        _check_values(out, entry, manifest["plan"], *_checked_part(out, entry, dim, mmap=True))
 
 
 def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True
