@@ -295,3 +295,19 @@ def test_each_scripts_usage_block_holds_commands_that_run_it(script):
     usage = doc.split("Usage::", 1)[1].split("\n\n")[1]
     for line in usage.splitlines():
         assert re.match(rf"^    (horovodrun .*?python |torchrun .*?|python )train/{re.escape(script)}( |$)", line), line
+
+
+def test_records_of_another_model_written_while_a_job_ran_stop_it_before_the_manifest(tmp_path, monkeypatch):
+    from pksampler.train.catalogue import embed as embed_module
+
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=3)
+    write = embed_module.write_part
+
+    def then_another_host_writes(out, part, embeddings, ids, record):  # a job on another host shares the folder
+        write(out, part, embeddings, ids, {**record, "model_digest": "e" * 64} if part == 1 else record)
+    monkeypatch.setattr(embed_module, "write_part", then_another_host_writes)
+    with pytest.raises(ConfigError, match=r"^--out: parts \[1\] of .* were embedded by another model \(digest "
+                                          r"eeeeeeeeeeee, this job's [0-9a-f]{12}\) while this job ran"):
+        embed_catalogue(checkpoint, str(data), tmp_path / "c", Backend(), options=EmbedOptions(part_size=4, workers=0))
+    assert not (tmp_path / "c" / "manifest.json").exists()
