@@ -312,6 +312,19 @@ def _write_index(index: faiss.Index, path: Path) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
+def _check_same_model(out: Path, manifest: dict[str, Any]) -> None:
+    """An ``out`` that holds the index of another model is refused: a new model means a new index (its vectors
+    live in another space), so the old one is never replaced by accident. An unreadable index.json is rebuilt."""
+    try:
+        held = _read_metadata(out)
+    except ConfigError:
+        return
+    theirs, ours = held["model"]["digest"], str(manifest["model"]["digest"])
+    if theirs != ours:
+        raise ConfigError(f"--out: {out} holds the index of another model (digest {theirs[:12]}, this catalogue's "
+                          f"{ours[:12]}); a new model means a new index: use another --out, or delete it first")
+
+
 def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions = IndexOptions()) -> dict[str, Any]:
     """Build, certify and write the index of the embedded catalogue ``catalogue`` into the folder ``out``."""
     catalogue, out = Path(catalogue), Path(out)
@@ -325,6 +338,7 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
     _check_enough_vectors(kind, count)
     check_parts(catalogue, manifest)
     make_out_folder(out)
+    _check_same_model(out, manifest)
     started = time.perf_counter()
     index = _empty_index(kind, dim, count, options)
     _fill(index, kind, catalogue, manifest, options)

@@ -214,6 +214,9 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     for field in ("dim", "count", "parts", "plan"):
         if field not in manifest:
             raise bad(field, "is missing")
+    model = manifest.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("digest"), str):
+        raise bad("model", f"must be an object with the model's 'digest', got {model!r}")
     if not _is_count(manifest["dim"], positive=True):
         raise bad("dim", f"must be a positive int, got {manifest['dim']!r}")
     plan = manifest["plan"]
@@ -284,7 +287,7 @@ def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
     more vectors than its parts hold is refused before any work; then each
     part's record (the manifest's model), values and ids, one part at a time.
     """
-    out, digest, dim = Path(out), str((manifest.get("model") or {}).get("digest")), int(manifest["dim"])
+    out, digest, dim = Path(out), manifest["model"]["digest"], int(manifest["dim"])
     filled = [entry for entry in manifest["parts"] if entry["count"]]
     for entry in filled:
         _checked_part(out, entry, dim, mmap=True)  # the headers: nothing of the data is read

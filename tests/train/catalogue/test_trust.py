@@ -136,6 +136,7 @@ PART_DAMAGE = {
     "unsorted ids": (lambda c: _edit_part(c, 2, ids=lambda v: v.__setitem__(slice(None), v[::-1].copy())),
                      r"part-00002\.npy: ids must rise strictly"),
     "part listed twice": (lambda c: _edit_manifest(c, _dump_twice), r"parts\[3\] repeats part 0"),
+    "no model": (lambda c: _edit_manifest(c, lambda m: m.pop("model")), r"manifest\.json: model must be an object"),
     "another model": (lambda c: _edit_part(c, 1, record=lambda r: r.update(model_digest="e" * 64)),
                       r"part-00001\.json: embedded by another model \(digest eeeeeeeeeeee, the manifest's dddddddddddd\)"),
 }
@@ -311,3 +312,22 @@ def test_records_of_another_model_written_while_a_job_ran_stop_it_before_the_man
                                           r"eeeeeeeeeeee, this job's [0-9a-f]{12}\) while this job ran"):
         embed_catalogue(checkpoint, str(data), tmp_path / "c", Backend(), options=EmbedOptions(part_size=4, workers=0))
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+# issue 50, item 4 (its first rule): a new model means a new index
+
+
+def test_build_index_refuses_an_out_holding_the_index_of_another_model(tmp_path, capsys):
+    catalogue = _catalogue(tmp_path)
+    assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "index")]) == 0
+    assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "index")]) == 0  # the same model: rebuilt
+    capsys.readouterr()
+    before = (tmp_path / "index" / "index.faiss").read_bytes()
+    other = fake_catalogue(tmp_path / "other", clustered(30, 8, classes=3, seed=4), part_size=10)
+    _edit_manifest(other, lambda m: m["model"].update(digest="f" * 64))
+    for part in range(3):
+        _edit_part(other, part, record=lambda r: r.update(model_digest="f" * 64))
+    assert cli.build_index_main([str(other), "--out", str(tmp_path / "index")]) == 2
+    _one_line(capsys, r"^error: --out: .*index holds the index of another model \(digest dddddddddddd, this "
+                      r"catalogue's ffffffffffff\); a new model means a new index: use another --out, or delete it")
+    assert (tmp_path / "index" / "index.faiss").read_bytes() == before
