@@ -48,7 +48,8 @@ from torch.utils.data import get_worker_info
 from pksampler.files import atomic_write_bytes
 from pksampler.locations import OBJECT_STORE_SCHEME, is_remote
 
-__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError", "cost_usd", "split_url"]
+__all__ = ["DEFAULT_OUTAGE_SECONDS", "GET_PRICE_USD", "ObjectChangedError", "ObjectStore", "ObjectStoreError",
+           "OutageError", "cost_usd", "split_url"]
 
 #: S3 standard, per GET request (us-east-1): $0.0004 per 1,000
 GET_PRICE_USD = 0.0004 / 1000
@@ -61,6 +62,15 @@ _ENVIRONMENT = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN
 
 class ObjectStoreError(OSError):
     """A request the store refused or could not answer after its retries; the message names bucket and key."""
+
+
+class OutageError(ObjectStoreError):
+    """The store failed for longer than the outage budget. ``failure`` is the last request's one line, ``seconds``
+    how long the store failed: a command with its own option for the budget names it with these."""
+
+    def __init__(self, message: str, failure: str = "", seconds: float = 0.0) -> None:
+        super().__init__(message)
+        self.failure, self.seconds = failure or message, seconds
 
 
 class ObjectChangedError(ObjectStoreError):
@@ -153,8 +163,10 @@ class ObjectStore:
             retry = {"max_retries": 10, "retry_timeout": timedelta(seconds=min(30.0, self.outage_seconds)),
                      "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=10),
                                  "base": 2.0}}
+            # a store that accepts and never answers costs one request's timeout: keep it inside the budget too
             client_options = {"allow_http": bool(endpoint and endpoint.startswith("http://")),
-                              "connect_timeout": timedelta(seconds=10), "timeout": timedelta(seconds=120)}
+                              "connect_timeout": timedelta(seconds=min(10.0, self.outage_seconds)),
+                              "timeout": timedelta(seconds=min(120.0, self.outage_seconds))}
             self._store = S3Store(self.bucket, retry_config=retry, client_options=client_options, **options)
             self._pid = _RUNTIME_PROCESS = os.getpid()
         return self._store
@@ -202,6 +214,7 @@ class ObjectStore:
         answered (a wrong secret); after it has, a refusal is a gateway restarting, part of the outage."""
         failing_since, wait, refusals = None, 0.5, 0
         while True:
+            attempt = time.monotonic()  # an outage starts when the first failed request was sent, not when it ended
             try:
                 result = call()
             except Exception as error:  # noqa: BLE001 - obstore's exception types, turned into one line
@@ -213,11 +226,11 @@ class ObjectStore:
                     raise failure from None
                 refusals += refused
                 now = time.monotonic()
-                failing_since = now if failing_since is None else failing_since
+                failing_since = attempt if failing_since is None else failing_since
                 if now - failing_since >= self.outage_seconds:
-                    raise ObjectStoreError(f"{failure}; the store failed for {now - failing_since:.0f} s, past the "
-                                           f"outage budget of {self.outage_seconds:g} s (data.args.outage_seconds, "
-                                           "ShardedDataset(outage_seconds=))") from None
+                    raise OutageError(f"{failure}; the store failed for {now - failing_since:.0f} s, past the "
+                                      f"outage budget of {self.outage_seconds:g} s (data.args.outage_seconds, "
+                                      "ShardedDataset(outage_seconds=))", str(failure), now - failing_since) from None
                 time.sleep(min(wait, max(self.outage_seconds - (now - failing_since), 0.0)))
                 wait = min(2 * wait, 10.0)
                 continue

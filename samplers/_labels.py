@@ -129,9 +129,19 @@ def _source_of(labels: Any, owner: str) -> Any:
     )
 
 
+def _is_missing(value: Any) -> bool:
+    """None, NaN (the one value unequal to itself) or a value whose comparison has no truth (pandas' ``NA``)."""
+    if value is None:
+        return True
+    try:
+        return bool(value != value)
+    except TypeError:
+        return True
+
+
 def _check_missing(array: np.ndarray, owner: str) -> None:
-    """Refuse None and NaN in object labels: they are missing labels, not classes."""
-    missing = np.equal(array, None) | (array != array)  # NaN is the one value unequal to itself
+    """Refuse None, NaN and pandas' ``NA`` in object labels: they are missing labels, not classes."""
+    missing = np.frompyfunc(_is_missing, 1, 1)(array).astype(bool)
     if missing.any():
         position = int(np.flatnonzero(missing)[0])
         raise ValueError(

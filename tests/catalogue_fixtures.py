@@ -45,7 +45,8 @@ def fake_catalogue(folder, vectors: np.ndarray, *, part_size: int, missing: tupl
     for part in range(plan.num_parts):
         start, stop = plan.bounds(part)
         ids = np.array([i for i in range(start, stop) if i not in missing], dtype=np.int64)
-        write_part(folder, part, vectors[ids], ids, {"first": start, "stop": stop, "count": len(ids), "bad": []})
+        write_part(folder, part, vectors[ids], ids, {"first": start, "stop": stop, "count": len(ids), "bad": [],
+                                                     "model_digest": "d" * 64})
         entries.append({"part": part, "count": len(ids), "first": start, "stop": stop})
     write_manifest(folder, {"model": {"digest": "d" * 64, "checkpoint": "none"},
                             "source": {"location": str(folder), "kind": "folder", "images": len(vectors)},

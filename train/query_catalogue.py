@@ -1,8 +1,8 @@
-"""Search the catalogue with query images
+"""Search the catalogue with query images: top-k as JSON lines and a gallery PNG.
 
 Usage::
 
-     JSON lines and a gallery PNG.:python train/query_catalogue.py IMAGES... --index index --checkpoint best.pt --out results
+    python train/query_catalogue.py IMAGES... --index index --checkpoint best.pt --out results
 
 See docs/catalogue.md for the walk-through (train, export, embed, index, query).
 """

@@ -71,3 +71,18 @@ def test_a_dataset_dict_is_refused_naming_its_splits_and_the_fix():
         message = str(caught.value)
         assert "of splits ['train'" in message and "pass one split, e.g. labels=ds['train']" in message
         assert "no 'label' or 'labels' column" not in message
+
+
+def test_pandas_missing_values_are_refused_naming_labels_and_the_position():
+    import pandas as pd
+
+    sources = {"string": pd.Series(["a", "b", pd.NA, "a"], dtype="string"),
+               "Int64": pd.Series([1, 2, pd.NA, 1], dtype="Int64"),
+               "object": pd.Series(["a", "b", pd.NA, "a"], dtype=object),
+               "category": pd.Series(["a", "b", None, "a"], dtype="category")}
+    for name, labels in sources.items():
+        what = r"a missing label \(<NA>\)" if name in ("string", "object") else r".*"  # numeric NA reads as NaN
+        with pytest.raises(ValueError, match=rf"^DistributedBalancedBatchSampler\(labels=\) has {what} at index 2"):
+            DistributedBalancedBatchSampler(labels, 1, 1, num_replicas=1, rank=0)
+        with pytest.raises(ValueError, match=r"at index 2"):
+            extract_labels(labels, owner="test")

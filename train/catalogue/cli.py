@@ -116,6 +116,8 @@ def embed_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="auto", help="auto, fp32, bf16 or fp16 (autocast)")
     parser.add_argument("--max-bad-fraction", type=float, default=0.01, help="fail above this share of bad images")
     parser.add_argument("--progress-every", type=float, default=10.0, help="seconds between progress lines")
+    parser.add_argument("--outage-seconds", type=float, default=60.0,
+                        help="s3:// only: how long a store that does not answer is retried before the job stops (60)")
     add_local_rank_argument(parser)
     args = parser.parse_args(argv)
 
@@ -128,8 +130,9 @@ def embed_main(argv: list[str] | None = None) -> int:
         from pksampler.train.runtime.distributed import make_backend
 
         options = EmbedOptions(part_size=args.part_size, batch_size=args.batch_size, workers=args.workers,
-                               progress_every=args.progress_every, max_bad_fraction=args.max_bad_fraction)
-        backend = make_backend("auto", device=args.device, precision=args.precision)
+                               progress_every=args.progress_every, max_bad_fraction=args.max_bad_fraction,
+                               device=args.device, precision=args.precision, outage_seconds=args.outage_seconds)
+        backend = make_backend("auto", device=options.device, precision=options.precision)
         try:
             embed_catalogue(args.checkpoint, args.data, args.out, backend, options=options)
             backend.barrier()

@@ -15,6 +15,8 @@ that met them, left out of their part (their ids are missing from
 from __future__ import annotations
 
 import hashlib
+import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -27,11 +29,12 @@ from torch.utils.data import DataLoader, Dataset
 
 from pksampler.datasets import ImageLoadError
 from pksampler.datasets.base import LabelledDataset
+from pksampler.files import lock_exclusively
 from pksampler.locations import is_remote
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
-from pksampler.train.catalogue.parts import (PartPlan, check_existing_parts, finished, make_out_folder, read_record,
-                                             write_manifest, write_part)
+from pksampler.train.catalogue.parts import (JOB_LOCK, PartPlan, check_existing_parts, finished, make_out_folder,
+                                             read_record, write_manifest, write_part)
 from pksampler.train.catalogue.sources import open_source, source_fingerprint, source_kind
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.distributed import Backend
@@ -39,16 +42,23 @@ from pksampler.train.runtime.loader import to_model_input, worker_context
 
 __all__ = ["EmbedOptions", "embed_catalogue"]
 
+#: what ``--device`` and ``--precision`` accept (the trainer's ``train.device`` and ``train.precision``)
+DEVICES, PRECISIONS = ("auto", "cpu", "cuda"), ("auto", "fp32", "bf16", "fp16")
+
 
 @dataclass(frozen=True)
 class EmbedOptions:
-    """How a catalogue is embedded: part size, batch size, workers per rank, progress cadence, bad-image limit."""
+    """How a catalogue is embedded: part size, batch size, workers per rank, progress cadence, bad-image limit,
+    device and precision, and how long an object store may fail before the job stops."""
 
     part_size: int = 65536
     batch_size: int = 128
     workers: int = 2
     progress_every: float = 10.0
     max_bad_fraction: float = 0.01
+    device: str = "auto"
+    precision: str = "auto"
+    outage_seconds: float = 60.0
 
     def __post_init__(self) -> None:
         for name, value in (("batch_size", self.batch_size), ("part_size", self.part_size)):
@@ -58,6 +68,11 @@ class EmbedOptions:
             raise ConfigError(f"--workers: must be an int >= 0, got {self.workers!r}")
         if not 0.0 <= self.max_bad_fraction <= 1.0:
             raise ConfigError(f"--max-bad-fraction: must lie in [0, 1], got {self.max_bad_fraction!r}")
+        for name, value, allowed in (("device", self.device, DEVICES), ("precision", self.precision, PRECISIONS)):
+            if value not in allowed:
+                raise ConfigError(f"--{name}: {value!r} must be one of {list(allowed)}")
+        if not 0.0 < self.outage_seconds <= 7 * 24 * 3600:
+            raise ConfigError(f"--outage-seconds: must lie in (0, 604800], got {self.outage_seconds!r}")
 
 
 class _SkipBad(Dataset):
@@ -208,24 +223,51 @@ def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, dat
         raise error
 
 
+def _hold_out_folder(out: Path, model: LoadedModel, rank: int) -> Any:
+    """Rank 0 locks ``out`` for the job (``flock``, released when the process ends), or one line naming the job that
+    holds it: two jobs embedding into one folder would leave whichever parts finished last."""
+    if rank != 0:
+        return None
+    handle, holder = lock_exclusively(out / JOB_LOCK, f"model {model.digest[:12]}, pid {os.getpid()} on "
+                                                      f"{socket.gethostname()}")
+    if handle is None:
+        raise ConfigError(f"--out: {out} is being embedded by another job ({holder}); wait for it, or use another "
+                          "--out")
+    return handle
+
+
 def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend: Backend, *,
                     options: EmbedOptions = EmbedOptions()) -> dict[str, Any] | None:
     """Embed every image at ``data`` with the model of ``checkpoint`` into parts under ``out``.
 
     Runs on every rank of ``backend`` (one process, horovodrun or torchrun);
     returns the manifest on rank 0 (None elsewhere). Finished parts of an
-    earlier run of the same model and plan are skipped.
+    earlier run of the same model and plan are skipped; a job still running
+    in ``out`` is refused.
     """
-    out = Path(out)
+    out, lock = Path(out), None
     try:  # what each rank checks on its own (its files, its host): agreed on before any collective of the work
         model = load_model(checkpoint)
         make_out_folder(out)
-        dataset = open_source(data, decode_size=model.input_size)
+        lock = _hold_out_folder(out, model, backend.rank)
+        dataset = open_source(data, decode_size=model.input_size, outage_seconds=options.outage_seconds)
         dataset.transform = model.worker_transform()
         plan = PartPlan(len(dataset), options.part_size, source_fingerprint(dataset))
     except ConfigError as error:
+        if lock is not None:
+            lock.close()
         _agree_on_setup(backend, error)
         raise
+    try:
+        return _embed_agreed(model, dataset, plan, data, out, backend, options)
+    finally:
+        if lock is not None:
+            lock.close()
+
+
+def _embed_agreed(model: LoadedModel, dataset: LabelledDataset, plan: PartPlan, data: str, out: Path,
+                  backend: Backend, options: EmbedOptions) -> dict[str, Any] | None:
+    """The work, once every rank's set-up succeeded: the ranks agree, embed their unfinished parts, rank 0 ends."""
     _agree_on_setup(backend, None)
     network = backend.setup.prepare_model(model.network)
     _check_ranks_agree(backend, model, plan, data, out)
@@ -253,6 +295,11 @@ def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: E
     if missing:
         raise ConfigError(f"--out: parts {missing[:10]} of {out} have no record after every rank finished; another "
                           "job writes into the same folder?")
+    foreign = [p for p, r in enumerate(records) if r.get("model_digest") != model.digest]
+    if foreign:  # a job on another host (whose lock this host cannot see) wrote into the folder
+        raise ConfigError(f"--out: parts {foreign[:10]} of {out} were embedded by another model (digest "
+                          f"{str(records[foreign[0]].get('model_digest'))[:12]}, this job's {model.digest[:12]}) "
+                          "while this job ran; give each model its own --out")
     bad = [i for r in records for i in r["bad"]]
     if len(bad) > options.max_bad_fraction * plan.total or len(bad) == plan.total:
         raise ConfigError(f"--max-bad-fraction: {len(bad)} of {plan.total} images could not be decoded (named "

@@ -36,9 +36,11 @@ from typing import Any
 import faiss
 import numpy as np
 
+from pksampler.datasets._image import read_regular
 from pksampler.files import atomic_write_text, atomic_writer
 
-from pksampler.train.catalogue.parts import PartVectors, iter_parts, make_out_folder, read_manifest
+from pksampler.train.catalogue.parts import (PartVectors, check_parts, iter_parts, make_out_folder, read_manifest,
+                                             writing)
 from pksampler.train.errors import ConfigError
 
 __all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "Searcher", "build_index", "load_index",
@@ -283,18 +285,44 @@ def _certify(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str,
 
 
 def _write_index(index: faiss.Index, path: Path) -> tuple[int, str]:
-    """Stream the index into ``path`` atomically; returns its size and SHA-256."""
-    hasher, size = hashlib.sha256(), 0
-    with atomic_writer(path) as stream:
+    """Stream the index into ``path`` atomically; returns its size and SHA-256.
+
+    faiss turns an exception of the writer callback into its own RuntimeError:
+    the callback's OSError (a full disk) is raised again as itself.
+    """
+    hasher, size, failed = hashlib.sha256(), 0, []
+    with writing(path), atomic_writer(path) as stream:
         def write(chunk: bytes) -> int:
             nonlocal size
             hasher.update(chunk)
             size += len(chunk)
-            stream.write(chunk)
+            try:
+                stream.write(chunk)
+            except OSError as error:
+                failed.append(error)
+                raise
             return len(chunk)
 
-        faiss.write_index(index, faiss.PyCallbackIOWriter(write))
+        try:
+            faiss.write_index(index, faiss.PyCallbackIOWriter(write))
+        except RuntimeError:
+            if failed:
+                raise failed[0] from None
+            raise
     return size, hasher.hexdigest()
+
+
+def _check_same_model(out: Path, manifest: dict[str, Any]) -> None:
+    """An ``out`` that holds the index of another model is refused: a new model means a new index (its vectors
+    live in another space), so the old one is never replaced by accident. An unreadable index.json is rebuilt."""
+    try:
+        held = _read_metadata(out)
+    except ConfigError:
+        return
+    theirs, ours = held["model"]["digest"], str(manifest["model"]["digest"])
+    if theirs != ours:
+        raise ConfigError(f"--out: {out} holds the index of another model (digest {theirs[:12]}, this catalogue's "
+                          f"{ours[:12]}); a new model means a new index: use another --out, or delete it first")
 
 
 def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions = IndexOptions()) -> dict[str, Any]:
@@ -308,7 +336,9 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
         faiss.omp_set_num_threads(options.threads)
     kind = _kind(options, count)
     _check_enough_vectors(kind, count)
+    check_parts(catalogue, manifest)
     make_out_folder(out)
+    _check_same_model(out, manifest)
     started = time.perf_counter()
     index = _empty_index(kind, dim, count, options)
     _fill(index, kind, catalogue, manifest, options)
@@ -326,7 +356,8 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
         "index_file": INDEX_FILE, "index_bytes": size, "index_sha256": digest,
         "catalogue": str(catalogue.resolve()), "model": manifest["model"], "source": manifest["source"],
     }
-    atomic_write_text(out / METADATA_FILE, json.dumps(metadata, indent=1))
+    with writing(out / METADATA_FILE):
+        atomic_write_text(out / METADATA_FILE, json.dumps(metadata, indent=1))
     return metadata
 
 
@@ -339,16 +370,47 @@ def _file_sha256(path: Path) -> str:
     return hasher.hexdigest()
 
 
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_metadata(path: Path, metadata: dict[str, Any]) -> None:
+    """The fields the search and the query read, with their types, or one ConfigError naming the field."""
+    def bad(field: str, rule: str) -> ConfigError:
+        return ConfigError(f"--index: {path}: {field} {rule}; build the index again")
+
+    if metadata.get("kind") not in INDEX_KINDS[1:]:
+        raise bad("kind", f"must be one of {list(INDEX_KINDS[1:])}, got {metadata.get('kind')!r}")
+    for field in ("count", "dim"):
+        if not _is_count(metadata.get(field)):
+            raise bad(field, f"must be a positive int, got {metadata.get(field)!r}")
+    nprobe = metadata.get("nprobe")
+    if nprobe is not None and (metadata["kind"] == "flat" or not _is_count(nprobe)):
+        raise bad("nprobe", f"{nprobe!r} is given for a flat index (exact search has no lists)"
+                  if metadata["kind"] == "flat" else f"must be a positive int or null, got {nprobe!r}")
+    model, options = metadata.get("model"), metadata.get("options")
+    if not isinstance(model, dict) or not isinstance(model.get("digest"), str):
+        raise bad("model", f"must be an object with the model's 'digest', got {model!r}")
+    if not isinstance(options, dict) or not _is_count(options.get("refine_factor")):
+        raise bad("options.refine_factor", f"must be a positive int, got {options!r}")
+    source = metadata.get("source")
+    if not isinstance(metadata.get("catalogue"), str) or not isinstance(source, dict) \
+            or not isinstance(source.get("location"), str):
+        raise bad("catalogue/source", f"must name the catalogue folder and its source, got "
+                                      f"{metadata.get('catalogue')!r}, {source!r}")
+
+
 def _read_metadata(folder: Path) -> dict[str, Any]:
     path = folder / METADATA_FILE
     try:
-        metadata = json.loads(path.read_text(encoding="utf-8"))
+        metadata = json.loads(read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"--index: {folder} holds no {METADATA_FILE}; build it with train/build_index.py") from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"--index: {path} cannot be read ({error}); build the index again") from None
     if not isinstance(metadata, dict) or metadata.get("format") != "pksampler-catalogue-index":
         raise ConfigError(f"--index: {path} is not a pksampler index description; build the index again")
+    _check_metadata(path, metadata)
     name = metadata.get("index_file", INDEX_FILE)
     # the index file lives in the folder itself: a path (``../x``, ``/etc/x``, ``a/b``) is never followed
     if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name or "\\" in name:

@@ -4,9 +4,12 @@ A checkpoint (``best.pt`` or ``last.pt``) holds the model's tensors and the
 run's config; the config rebuilds the architecture (:func:`build_model`) and
 says how images were prepared for evaluation:
 
-1. decode, take the centre square of the short side, resize it (Pillow,
-   bilinear) to ``input_size = round(image_size * 8 / 7)``: uint8 RGB,
-   what the trainer's workers ship (:class:`~pksampler.datasets.ToUint8`);
+1. decode (a JPEG in Pillow's draft mode, ``Image.draft("RGB", (input_size,
+   input_size))`` before it is loaded: the DCT scale 1/2, 1/4 or 1/8 that
+   keeps both sides at least ``input_size``, as every dataset decodes), take
+   the centre square of the short side, resize it (Pillow, bilinear) to
+   ``input_size = round(image_size * 8 / 7)``: uint8 RGB, what the trainer's
+   workers ship (:class:`~pksampler.datasets.ToUint8`);
 2. crop the centre ``image_size`` square, scale to [0, 1], subtract the
    ImageNet mean and divide by its std (:class:`~pksampler.datasets.CenterView`).
 
@@ -42,11 +45,19 @@ from pksampler.train.modeling.model import build_model
 __all__ = ["LoadedModel", "ServingModel", "check_finite", "load_model", "preprocessing_of"]
 
 
+#: fields that describe the decode every catalogue has always used; left out of the digest, so the digests of
+#: catalogues and indexes written before they were recorded still name the same model
+_UNDIGESTED = ("decode", "jpeg_draft")
+
+
 def preprocessing_of(image_size: int) -> dict[str, Any]:
     """What a served model expects, as plain data (written into every exported file and manifest)."""
     return {
         "input": "uint8 RGB, layout NCHW, shape (batch, 3, input_size, input_size)",
         "input_size": eval_size(image_size),
+        "decode": "Pillow; a JPEG in draft mode first: Image.draft('RGB', (jpeg_draft, jpeg_draft)) before load() "
+                  "(the DCT scale 1/2, 1/4 or 1/8 keeping both sides >= jpeg_draft), then convert('RGB')",
+        "jpeg_draft": eval_size(image_size),
         "resize": "centre square of the short side, resized with Pillow's bilinear filter to input_size",
         "channel_order": "RGB",
         "dtype": "uint8",
@@ -101,7 +112,8 @@ class LoadedModel:
 
 
 def _digest(tensors: dict[str, torch.Tensor], preprocessing: dict[str, Any]) -> str:
-    hasher = hashlib.sha256(json.dumps(preprocessing, sort_keys=True).encode())
+    described = {key: value for key, value in preprocessing.items() if key not in _UNDIGESTED}
+    hasher = hashlib.sha256(json.dumps(described, sort_keys=True).encode())
     for name in sorted(tensors):
         tensor = tensors[name].detach().cpu().contiguous()
         hasher.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())

@@ -16,28 +16,40 @@
 4. When every part is done, rank 0 writes ``manifest.json``: the model (its
    digest and preprocessing), the data source, the plan, the counts and
    the bad images' ids.
+5. Nothing is trusted when read back (:func:`check_parts`): regular files
+   only (a FIFO would block the reader for ever), the manifest's shapes
+   before any sampling, finite vectors, ids rising strictly inside their
+   part's range (the re-rank's binary search and ``id // part_size`` rely
+   on it), each part listed once and embedded by the manifest's model.
 """
 
 from __future__ import annotations
 
 import io
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
+from pksampler.datasets._image import open_regular, read_regular
 from pksampler.files import atomic_write_bytes, atomic_write_text
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "finished", "iter_parts", "make_out_folder", "part_name",
-           "read_manifest", "read_part", "write_manifest", "write_part"]
+__all__ = ["JOB_LOCK", "MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "check_parts", "finished",
+           "iter_parts", "make_out_folder", "part_name", "read_manifest", "read_part", "write_manifest", "write_part",
+           "writing"]
 
 MANIFEST = "manifest.json"
 PART_FORMAT = "pksampler-catalogue-part"
 MANIFEST_FORMAT = "pksampler-catalogue"
+#: held (``flock``) by the job embedding into a folder, naming its model: a second job is refused while it runs
+JOB_LOCK = ".embed.lock"
+#: rows checked for finiteness at a time (bounded memory whatever the part size)
+_FINITE_BLOCK = 1 << 16
 
 
 def part_name(part: int) -> str:
@@ -82,19 +94,33 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
+@contextmanager
+def writing(path: Path, argument: str = "--out") -> Iterator[None]:
+    """Turn a failed write of ``path`` (a full disk, a quota, a read-only mount: an OSError that names no file)
+    into one ConfigError naming ``argument`` and the file; the atomic writer has removed its temporary file."""
+    try:
+        yield
+    except OSError as error:
+        reason = f"[Errno {error.errno}] {error.strerror}" if error.errno else str(error)
+        raise ConfigError(f"{argument}: cannot write {path}: {reason}") from None
+
+
 def write_part(out: Path, part: int, embeddings: np.ndarray, ids: np.ndarray, record: dict[str, Any]) -> None:
     """The part's arrays, then its record (which marks it finished)."""
     emb_path, ids_path, record_path = _paths(out, part)
-    atomic_write_bytes(emb_path, _npy_bytes(np.ascontiguousarray(embeddings, dtype=np.float32)))
-    atomic_write_bytes(ids_path, _npy_bytes(np.ascontiguousarray(ids, dtype=np.int64)))
-    atomic_write_text(record_path, json.dumps({"format": PART_FORMAT, "part": part, **record}, indent=1))
+    with writing(emb_path):
+        atomic_write_bytes(emb_path, _npy_bytes(np.ascontiguousarray(embeddings, dtype=np.float32)))
+    with writing(ids_path):
+        atomic_write_bytes(ids_path, _npy_bytes(np.ascontiguousarray(ids, dtype=np.int64)))
+    with writing(record_path):
+        atomic_write_text(record_path, json.dumps({"format": PART_FORMAT, "part": part, **record}, indent=1))
 
 
 def read_record(out: Path, part: int) -> dict[str, Any] | None:
     """The part's record, or None when the part is not finished (no record, or an unreadable one)."""
     path = _paths(out, part)[2]
     try:
-        record = json.loads(path.read_text(encoding="utf-8"))
+        record = json.loads(read_regular(path).decode("utf-8"))
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) and record.get("format") == PART_FORMAT else None
@@ -103,6 +129,8 @@ def read_record(out: Path, part: int) -> dict[str, Any] | None:
 def read_part(out: Path, part: int, *, mmap: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """``(embeddings, ids)`` of a finished part (memory-mapped by default: nothing is read until used)."""
     emb_path, ids_path, _ = _paths(out, part)
+    for path in (emb_path, ids_path):
+        open_regular(path).close()  # a FIFO or a device would block np.load for ever
     mode = "r" if mmap else None
     return np.load(emb_path, mmap_mode=mode, allow_pickle=False), np.load(ids_path, mmap_mode=mode, allow_pickle=False)
 
@@ -153,15 +181,16 @@ def make_out_folder(out: str | Path, argument: str = "--out") -> Path:
 
 
 def write_manifest(out: Path, manifest: dict[str, Any]) -> Path:
-    return atomic_write_text(out / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "version": 1, **manifest},
-                                                        indent=1))
+    with writing(out / MANIFEST):
+        return atomic_write_text(out / MANIFEST, json.dumps({"format": MANIFEST_FORMAT, "version": 1, **manifest},
+                                                            indent=1))
 
 
 def read_manifest(out: str | Path) -> dict[str, Any]:
     """The manifest of a finished catalogue; a ConfigError naming the folder when there is none."""
     path = Path(out) / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_regular(path).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{out}: no {MANIFEST}; embed the catalogue first (train/embed_catalogue.py), and let it "
                           "finish: the manifest is written when every part is done") from None
@@ -185,17 +214,28 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
     for field in ("dim", "count", "parts", "plan"):
         if field not in manifest:
             raise bad(field, "is missing")
+    model = manifest.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("digest"), str):
+        raise bad("model", f"must be an object with the model's 'digest', got {model!r}")
     if not _is_count(manifest["dim"], positive=True):
         raise bad("dim", f"must be a positive int, got {manifest['dim']!r}")
     plan = manifest["plan"]
     if not isinstance(plan, dict) or not _is_count(plan.get("part_size"), positive=True):
         raise bad("plan.part_size", f"must be a positive int, got {plan!r}")
+    if not _is_count(plan.get("total"), positive=True):
+        raise bad("plan.total", f"must be a positive int, got {plan.get('total')!r}")
     parts = manifest["parts"]
     if not isinstance(parts, list):
         raise bad("parts", f"must be a list, got {type(parts).__name__}")
+    seen: dict[int, int] = {}
     for number, entry in enumerate(parts):
         if not isinstance(entry, dict) or not _is_count(entry.get("part")) or not _is_count(entry.get("count")):
             raise bad(f"parts[{number}]", f"must hold int 'part' and 'count' >= 0, got {entry!r}")
+        if entry["part"] in seen:
+            raise bad(f"parts[{number}]", f"repeats part {entry['part']} (parts[{seen[entry['part']]}])")
+        if entry["part"] * plan["part_size"] >= plan["total"]:
+            raise bad(f"parts[{number}]", f"part {entry['part']} lies past the plan's {plan['total']} ids")
+        seen[entry["part"]] = number
     if not _is_count(manifest["count"]) or manifest["count"] != sum(e["count"] for e in parts):
         raise bad("count", f"{manifest['count']!r} must be the sum of the parts' counts "
                            f"({sum(e['count'] for e in parts)})")
@@ -218,6 +258,49 @@ def _checked_part(out: Path, entry: dict[str, Any], dim: int, *, mmap: bool) -> 
         raise ConfigError(f"{ids_path}: must be int64 of shape ({count},) as {MANIFEST} says, got {ids.dtype} "
                           f"{ids.shape}; embed the catalogue again")
     return embeddings, ids
+
+
+def _check_values(out: Path, entry: dict[str, Any], plan: dict[str, Any], embeddings: np.ndarray,
+                  ids: np.ndarray) -> None:
+    """Finite vectors; ids rising strictly inside the part's range ``[part * part_size, ...)``."""
+    emb_path, ids_path, _ = _paths(out, entry["part"])
+    for start in range(0, len(embeddings), _FINITE_BLOCK):
+        block = np.asarray(embeddings[start:start + _FINITE_BLOCK])
+        if not np.isfinite(block).all():
+            row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+            raise ConfigError(f"{emb_path}: holds NaN or infinite values (row {row}); embed the catalogue again")
+    low = entry["part"] * plan["part_size"]
+    high = min(low + plan["part_size"], plan["total"])
+    values = np.asarray(ids)
+    wrong = (values < low) | (values >= high)
+    wrong[1:] |= values[1:] <= values[:-1]
+    if wrong.any():
+        row = int(np.flatnonzero(wrong)[0])
+        raise ConfigError(f"{ids_path}: ids must rise strictly within [{low}, {high}) (part {entry['part']} in parts "
+                          f"of {plan['part_size']}), got {int(values[row])} at row {row}; embed the catalogue again")
+
+
+def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
+    """Every part the manifest lists, checked before anything is built from them (see the module doc, step 5).
+
+    Shapes first, from the ``.npy`` headers alone, so a manifest that claims
+    more vectors than its parts hold is refused before any work; then each
+    part's record (the manifest's model), values and ids, one part at a time.
+    """
+    out, digest, dim = Path(out), manifest["model"]["digest"], int(manifest["dim"])
+    filled = [entry for entry in manifest["parts"] if entry["count"]]
+    for entry in filled:
+        _checked_part(out, entry, dim, mmap=True)  # the headers: nothing of the data is read
+    for entry in filled:
+        record_path = _paths(out, entry["part"])[2]
+        record = read_record(out, entry["part"])
+        if record is None:
+            raise ConfigError(f"{record_path}: missing or not a part record; embed the catalogue again")
+        if record.get("model_digest") != digest:
+            raise ConfigError(f"{record_path}: embedded by another model (digest "
+                              f"{str(record.get('model_digest'))[:12]}, the manifest's {digest[:12]}); embed the "
+                              "catalogue again into a folder of its own")
+        _check_values(out, entry, manifest["plan"], *_checked_part(out, entry, dim, mmap=True))
 
 
 def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True

@@ -32,7 +32,7 @@ from pksampler.files import atomic_write_text
 from pksampler.train.catalogue.index import load_index
 from pksampler.train.catalogue.model import LoadedModel, load_model
 from pksampler.train.catalogue.parts import make_out_folder
-from pksampler.train.catalogue.sources import open_source
+from pksampler.train.catalogue.sources import open_source, source_fingerprint
 from pksampler.train.errors import ConfigError
 from pksampler.train.evaluation.render import save_gallery_png
 
@@ -93,6 +93,19 @@ def _gallery(path: Path, dataset: Any, rows: list[dict[str, Any]], images: list[
     return save_gallery_png(path, images, neighbours, correct, similarities=similarities, title=title)
 
 
+def _embedded_source(source: dict[str, Any]) -> Any:
+    """The catalogue's source, refused when its listing is not the one embedded: ids are positions in that listing,
+    so an image added or removed since would give every later result another file's name (or none)."""
+    dataset = open_source(source["location"], decode_size=96)
+    now, then = source_fingerprint(dataset), str(source.get("digest"))
+    if now != then:
+        raise ConfigError(f"--index: {source['location']} changed since it was embedded (its listing's digest "
+                          f"{now[:12]}, the catalogue's {then[:12]}: images added, removed, renamed or relabelled), "
+                          "so result ids would name other files; embed the catalogue again "
+                          "(train/embed_catalogue.py) and rebuild the index")
+    return dataset
+
+
 def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: str | Path, *,
                     checkpoint: str | Path, k: int = 10, gallery_rows: int = 8) -> list[dict[str, Any]]:
     """Search ``items`` (image files or folders); write ``out/results.jsonl`` and ``out/gallery.png``.
@@ -113,7 +126,7 @@ def query_catalogue(index_folder: str | Path, items: Sequence[str | Path], out: 
     embeddings, images, errors = _embed_queries(model, paths)
     k = min(k, metadata["count"])
     similarities, ids = searcher.search(embeddings, k) if len(embeddings) else (np.zeros((0, k)), np.zeros((0, k)))
-    dataset = open_source(metadata["source"]["location"], decode_size=96)
+    dataset = _embedded_source(metadata["source"])
     lines, found = [], iter(zip(similarities.tolist(), ids.tolist()))
     for path, error in zip(paths, errors):
         if error is not None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from pksampler.datasets import ImageFolderDataset, ListFileDataset, ShardedDataset
 from pksampler.datasets.base import LabelledDataset
+from pksampler.datasets.objectstore import OutageError
 from pksampler.locations import is_remote
 
 from pksampler.train.errors import ConfigError
@@ -41,15 +42,26 @@ def source_kind(location: str) -> str:
                       "exist)")
 
 
-def open_source(location: str, *, decode_size: int | None = None) -> LabelledDataset:
-    """The dataset at ``location`` with bad images raised (the caller skips and counts them), never replaced."""
+def open_source(location: str, *, decode_size: int | None = None, outage_seconds: float | None = None
+                ) -> LabelledDataset:
+    """The dataset at ``location`` with bad images raised (the caller skips and counts them), never replaced.
+
+    ``outage_seconds`` bounds how long an ``s3://`` store that does not answer
+    is retried (``--outage-seconds``; the dataset's default when None).
+    """
     kind = source_kind(location)
     try:
         if kind == "shards":
-            return ShardedDataset(location, on_bad="raise", decode_size=decode_size)
+            return ShardedDataset(location, on_bad="raise", decode_size=decode_size,
+                                  outage_seconds=outage_seconds if is_remote(location) else None)
         if kind == "list":
             return ListFileDataset(location, on_bad="raise", decode_size=decode_size)
         return ImageFolderDataset(location, on_bad="raise", decode_size=decode_size)
+    except OutageError as error:
+        if outage_seconds is None:  # the dataset's own budget: its message names it
+            raise ConfigError(f"--data: {error}") from None
+        raise ConfigError(f"--data: {error.failure}; the store failed for {error.seconds:.0f} s, past "
+                          f"--outage-seconds {outage_seconds:g}") from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"--data: {location!r} ({kind}): {error}") from None
 

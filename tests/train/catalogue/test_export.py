@@ -95,3 +95,46 @@ def test_random_bytes_are_not_a_readable_checkpoint_named_as_typed_without_train
     assert result.stderr.strip().splitlines() == [f"error: checkpoint: {garbage} is not a readable checkpoint (not a "
                                                   "torch file, or damaged); pass a best.pt or last.pt written by "
                                                   "train/retrieval.py"]
+
+
+def _documented_decode(path, pre):
+    """A server's decode, written from the exported metadata alone: what a service following it would do."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        draft = pre.get("jpeg_draft")
+        if draft and image.format == "JPEG":
+            image.draft("RGB", (draft, draft))
+        image = image.convert("RGB")
+        width, height = image.size
+        side, size = min(width, height), pre["input_size"]
+        left, top = (width - side) // 2, (height - side) // 2
+        square = image.resize((size, size), Image.BILINEAR, box=(left, top, left + side, top + side))
+    return torch.from_numpy(np.asarray(square).copy()).permute(2, 0, 1)
+
+
+def test_a_camera_sized_jpeg_embeds_the_same_through_the_documented_decode_and_the_catalogue(exported, tmp_path):
+    from PIL import Image
+
+    from pksampler.train.catalogue.sources import open_source
+
+    checkpoint, _, written = exported
+    model = load_model(checkpoint)
+    rng = np.random.default_rng(5)
+    y, x = np.mgrid[0:480, 0:640]
+    photo = np.stack([128 + 100 * np.sin(x / 23.0 + c) * np.cos(y / 31.0 - c) for c in range(3)], axis=-1)
+    photo = np.clip(photo + rng.normal(0, 12, photo.shape), 0, 255).astype(np.uint8)
+    (tmp_path / "cat" / "product").mkdir(parents=True)
+    Image.fromarray(photo).save(tmp_path / "cat" / "product" / "photo.jpg", quality=90)
+    dataset = open_source(str(tmp_path / "cat"), decode_size=model.input_size)  # as embed_catalogue opens it
+    dataset.transform = model.worker_transform()
+    serving = model.serving()
+    pre = read_metadata(written["onnx"])["preprocessing"]
+    assert pre == read_metadata(written["pt2"])["preprocessing"] == model.preprocessing
+    with torch.no_grad():
+        catalogue = serving(dataset[0][0][None]).numpy()
+        documented = serving(_documented_decode(tmp_path / "cat" / "product" / "photo.jpg", pre)[None]).numpy()
+        full = serving(_documented_decode(tmp_path / "cat" / "product" / "photo.jpg",
+                                          {**pre, "jpeg_draft": None})[None]).numpy()
+    assert float(np.abs(documented - catalogue).max()) <= 1e-5
+    assert float(np.abs(full - catalogue).max()) > 1e-4  # the draft step matters: a full decode embeds elsewhere

@@ -1,0 +1,333 @@
+"""The catalogue commands trust nothing they read: the source's listing, the parts, index.json, the disk, the store.
+
+Each bad input is one line on stderr naming the argument or the file, the value and the rule (exit status 2),
+never a traceback, never a wait without end.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from catalogue_fixtures import clustered, fake_catalogue, make_checkpoint, render_folder
+from launch import ROOT
+
+from pksampler.files import lock_exclusively
+from pksampler.train.catalogue import cli, index as index_module
+from pksampler.train.catalogue.embed import EmbedOptions, embed_catalogue
+from pksampler.train.catalogue.index import IndexOptions, build_index
+from pksampler.train.catalogue import parts as parts_module
+from pksampler.train.errors import ConfigError
+from pksampler.train.runtime.distributed import Backend
+
+
+def _one_line(capsys, pattern: str) -> str:
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert re.search(pattern, err), err
+    return err
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """A real catalogue of PNG files, embedded in one process and indexed exactly."""
+    folder = tmp_path_factory.mktemp("embedded")
+    checkpoint = make_checkpoint(folder / "best.pt")
+    data = render_folder(folder / "products", classes=3, per_class=4)
+    embed_catalogue(checkpoint, str(data), folder / "catalogue", Backend(),
+                    options=EmbedOptions(part_size=5, batch_size=4, workers=0))
+    build_index(folder / "catalogue", folder / "index", options=IndexOptions(queries=12))
+    return folder, checkpoint, data
+
+
+def _query(folder, checkpoint, images, out, index="index"):
+    return cli.query_main([*map(str, images), "--index", str(folder / index), "--checkpoint", str(checkpoint),
+                           "--out", str(out), "--k", "3"])
+
+
+# issue 51, item 1: the query names what was embedded, not the folder as it is now
+
+
+def test_a_query_refuses_a_source_that_changed_since_it_was_embedded(embedded, tmp_path, capsys):
+    folder, checkpoint, data = embedded
+    scan = tmp_path / "scan.png"
+    shutil.copy(data / "product_00001" / "00002.png", scan)
+    assert _query(folder, checkpoint, [scan], tmp_path / "q0") == 0
+    capsys.readouterr()
+    first = json.loads((tmp_path / "q0" / "results.jsonl").read_text())["results"][0]
+    assert first["path"].endswith("product_00001/00002.png") and first["similarity"] == pytest.approx(1.0, abs=1e-5)
+
+    added = data / "product_00000" / "00000a.png"  # sorts after 00000.png: every later id shifts by one
+    shutil.copy(data / "product_00000" / "00000.png", added)
+    try:
+        assert _query(folder, checkpoint, [scan], tmp_path / "q1") == 2
+        _one_line(capsys, r"^error: --index: .*changed since it was embedded.*embed the catalogue again")
+    finally:
+        added.unlink()
+    removed = data / "product_00002" / "00003.png"
+    kept = removed.read_bytes()
+    removed.unlink()
+    try:
+        assert _query(folder, checkpoint, [scan], tmp_path / "q2") == 2  # was an IndexError traceback
+        _one_line(capsys, r"^error: --index: .*changed since it was embedded")
+    finally:
+        removed.write_bytes(kept)
+    assert _query(folder, checkpoint, [scan], tmp_path / "q3") == 0  # the same listing again: searched as before
+
+
+# issue 51, item 4: build_index.py checks every part against the manifest
+
+
+def _catalogue(tmp_path, name="cat"):
+    return fake_catalogue(tmp_path / name, clustered(30, 8, classes=3), part_size=10)
+
+
+def _edit_manifest(catalogue, edit):
+    manifest = json.loads((catalogue / "manifest.json").read_text())
+    edit(manifest)
+    (catalogue / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _edit_part(catalogue, part, *, embeddings=None, ids=None, record=None):
+    name = f"part-{part:05d}"
+    if embeddings is not None:
+        vectors = np.load(catalogue / "embeddings" / f"{name}.npy")
+        embeddings(vectors)
+        np.save(catalogue / "embeddings" / f"{name}.npy", vectors)
+    if ids is not None:
+        values = np.load(catalogue / "ids" / f"{name}.npy")
+        ids(values)
+        np.save(catalogue / "ids" / f"{name}.npy", values)
+    if record is not None:
+        path = catalogue / "parts" / f"{name}.json"
+        data = json.loads(path.read_text())
+        record(data)
+        path.write_text(json.dumps(data))
+
+
+def _set(array, position, value):
+    array[position] = value
+
+
+def _dump_twice(manifest):
+    manifest["parts"].append(dict(manifest["parts"][0]))
+    manifest["count"] += manifest["parts"][0]["count"]
+
+
+PART_DAMAGE = {
+    "nan": (lambda c: _edit_part(c, 1, embeddings=lambda v: _set(v, (3, 2), np.nan)),
+            r"part-00001\.npy: holds NaN or infinite values"),
+    "inf": (lambda c: _edit_part(c, 2, embeddings=lambda v: _set(v, (0, 0), np.inf)),
+            r"part-00002\.npy: holds NaN or infinite values"),
+    "id out of range": (lambda c: _edit_part(c, 0, ids=lambda v: _set(v, 9, 10**6)),
+                        r"part-00000\.npy: ids must rise strictly within \[0, 10\).*got 1000000"),
+    "id of another part": (lambda c: _edit_part(c, 1, ids=lambda v: _set(v, 0, 5)),
+                           r"part-00001\.npy: ids must rise strictly within \[10, 20\)"),
+    "unsorted ids": (lambda c: _edit_part(c, 2, ids=lambda v: v.__setitem__(slice(None), v[::-1].copy())),
+                     r"part-00002\.npy: ids must rise strictly"),
+    "part listed twice": (lambda c: _edit_manifest(c, _dump_twice), r"parts\[3\] repeats part 0"),
+    "no model": (lambda c: _edit_manifest(c, lambda m: m.pop("model")), r"manifest\.json: model must be an object"),
+    "another model": (lambda c: _edit_part(c, 1, record=lambda r: r.update(model_digest="e" * 64)),
+                      r"part-00001\.json: embedded by another model \(digest eeeeeeeeeeee, the manifest's dddddddddddd\)"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(PART_DAMAGE))
+def test_build_index_refuses_parts_that_are_not_what_the_manifest_says(tmp_path, capsys, damage):
+    catalogue = _catalogue(tmp_path)
+    edit, message = PART_DAMAGE[damage]
+    edit(catalogue)
+    assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "index")]) == 2
+    _one_line(capsys, message)
+    assert not (tmp_path / "index" / "index.faiss").exists()
+
+
+def test_a_second_model_cannot_embed_into_an_out_that_a_running_job_holds(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "a.pt")
+    other = make_checkpoint(tmp_path / "b.pt", seed=1)
+    data = render_folder(tmp_path / "products", classes=2, per_class=3)
+    out = tmp_path / "catalogue"
+    out.mkdir()
+    handle, _ = lock_exclusively(out / getattr(parts_module, "JOB_LOCK", "job.lock"), "model 0123456789ab, pid 999 on host-a")  # the first job, running
+    try:
+        with pytest.raises(ConfigError, match=r"^--out: .* is being embedded by another job \(model 0123456789ab, "
+                                              r"pid 999 on host-a\); wait for it, or use another --out"):
+            embed_catalogue(other, str(data), out, Backend(), options=EmbedOptions(part_size=4, workers=0))
+    finally:
+        handle.close()
+    embed_catalogue(checkpoint, str(data), out, Backend(), options=EmbedOptions(part_size=4, workers=0))
+    with pytest.raises(ConfigError, match=r"holds parts embedded by another model"):  # after it finished, as before
+        embed_catalogue(other, str(data), out, Backend(), options=EmbedOptions(part_size=4, workers=0))
+
+
+# issue 51, item 5: one line where a traceback was
+
+
+def test_damaged_index_metadata_is_one_line(embedded, tmp_path, capsys):
+    folder, checkpoint, data = embedded
+    scan = data / "product_00000" / "00001.png"
+    cases = {"model": (lambda m: m.pop("model"), r"index\.json: model must be .*got None"),
+             "nprobe on flat": (lambda m: m.update(nprobe=4), r"index\.json: nprobe 4 is given for a flat index"),
+             "count": (lambda m: m.update(count="12"), r"index\.json: count must be a positive int, got '12'")}
+    for name, (edit, message) in cases.items():
+        copy = tmp_path / name.replace(" ", "_")
+        shutil.copytree(folder / "index", copy)
+        metadata = json.loads((copy / "index.json").read_text())
+        edit(metadata)
+        (copy / "index.json").write_text(json.dumps(metadata))
+        assert cli.query_main([str(scan), "--index", str(copy), "--checkpoint", str(checkpoint),
+                               "--out", str(tmp_path / "q")]) == 2, name
+        _one_line(capsys, message)
+
+
+def test_an_unknown_precision_or_device_is_one_line(tmp_path, capsys):
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=2)
+    for option, value in (("--precision", "fp8"), ("--device", "tpu")):
+        argv = ["--checkpoint", str(checkpoint), "--data", str(data), "--out", str(tmp_path / "c"), option, value]
+        assert cli.embed_main(argv) == 2
+        _one_line(capsys, rf"^error: {option}: '{value}' must be one of ")
+
+
+def _full_disk(monkeypatch):
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr("pksampler.files.os.fsync", no_space)
+
+
+def test_a_full_disk_names_the_option_and_the_file(tmp_path, capsys, monkeypatch):
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=2)
+    catalogue = _catalogue(tmp_path)
+    with monkeypatch.context() as patch:
+        _full_disk(patch)
+        assert cli.embed_main(["--checkpoint", str(checkpoint), "--data", str(data), "--out", str(tmp_path / "c"),
+                               "--workers", "0"]) == 2
+        _one_line(capsys, r"^error: --out: cannot write .*c/embeddings/part-00000\.npy: \[Errno 28\] No space left")
+        assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "i")]) == 2
+        _one_line(capsys, r"^error: --out: cannot write .*i/index\.faiss: \[Errno 28\] No space left")
+    assert not list((tmp_path / "c" / "embeddings").iterdir())  # no half-written file is left
+
+
+# issue 51, item 6: every wait is bounded and names the command's own option
+
+
+def test_a_manifest_claiming_more_vectors_than_its_parts_hold_is_refused_before_any_sampling(tmp_path, capsys,
+                                                                                               monkeypatch):
+    catalogue = _catalogue(tmp_path)
+
+    def huge(manifest):
+        manifest["parts"][0]["count"] = 10**12
+        manifest["count"] = sum(e["count"] for e in manifest["parts"])
+    _edit_manifest(catalogue, huge)
+    monkeypatch.setattr(index_module, "_rows", lambda *a, **k: pytest.fail("sampled before checking the parts"))
+    assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "i"), "--kind", "ivfflat"]) == 2
+    _one_line(capsys, r"part-00000\.npy: must be float32 of shape \(1000000000000, 8\)")
+
+
+def test_a_fifo_in_place_of_a_part_is_refused_not_waited_on(tmp_path):
+    catalogue = _catalogue(tmp_path)
+    part = catalogue / "embeddings" / "part-00001.npy"
+    part.unlink()
+    os.mkfifo(part)
+    result = subprocess.run([sys.executable, str(ROOT / "train" / "build_index.py"), str(catalogue), "--out",
+                             str(tmp_path / "i")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert re.fullmatch(r"error: .*part-00001\.npy is a FIFO, not a regular file.*\n", result.stderr), result.stderr
+
+
+@pytest.fixture
+def silent_store():
+    """A TCP port that accepts connections and never answers: an object store that hangs."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    held, stop = [], threading.Event()
+
+    def accept():
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                continue
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    stop.set()
+    thread.join()
+    for connection in held:
+        connection.close()
+    server.close()
+
+
+def test_a_store_that_never_answers_fails_within_the_commands_own_bound(tmp_path, capsys, monkeypatch, silent_store):
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    for name, value in (("AWS_ENDPOINT_URL", silent_store), ("AWS_ACCESS_KEY_ID", "k"),
+                        ("AWS_SECRET_ACCESS_KEY", "s"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    assert cli.embed_main(["--checkpoint", str(checkpoint), "--data", "s3://bucket/pack", "--out",
+                           str(tmp_path / "c"), "--outage-seconds", "2"]) == 2
+    err = _one_line(capsys, r"^error: --data: s3://bucket/pack/manifest\.json: .*--outage-seconds 2")
+    assert "data.args" not in err
+    assert time.monotonic() - started < 60  # a bound, not a measurement: the store gave no answer at all
+
+
+# issue 51, item 12: the scripts' usage lines are commands
+
+
+@pytest.mark.parametrize("script", ["export_model.py", "embed_catalogue.py", "build_index.py", "query_catalogue.py",
+                                    "retrieval.py"])
+def test_each_scripts_usage_block_holds_commands_that_run_it(script):
+    import ast
+
+    doc = ast.get_docstring(ast.parse((ROOT / "train" / script).read_text(encoding="utf-8")))
+    usage = doc.split("Usage::", 1)[1].split("\n\n")[1]
+    for line in usage.splitlines():
+        assert re.match(rf"^    (horovodrun .*?python |torchrun .*?|python )train/{re.escape(script)}( |$)", line), line
+
+
+def test_records_of_another_model_written_while_a_job_ran_stop_it_before_the_manifest(tmp_path, monkeypatch):
+    from pksampler.train.catalogue import embed as embed_module
+
+    checkpoint = make_checkpoint(tmp_path / "best.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=3)
+    write = embed_module.write_part
+
+    def then_another_host_writes(out, part, embeddings, ids, record):  # a job on another host shares the folder
+        write(out, part, embeddings, ids, {**record, "model_digest": "e" * 64} if part == 1 else record)
+    monkeypatch.setattr(embed_module, "write_part", then_another_host_writes)
+    with pytest.raises(ConfigError, match=r"^--out: parts \[1\] of .* were embedded by another model \(digest "
+                                          r"eeeeeeeeeeee, this job's [0-9a-f]{12}\) while this job ran"):
+        embed_catalogue(checkpoint, str(data), tmp_path / "c", Backend(), options=EmbedOptions(part_size=4, workers=0))
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+# issue 50, item 4 (its first rule): a new model means a new index
+
+
+def test_build_index_refuses_an_out_holding_the_index_of_another_model(tmp_path, capsys):
+    catalogue = _catalogue(tmp_path)
+    assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "index")]) == 0
+    assert cli.build_index_main([str(catalogue), "--out", str(tmp_path / "index")]) == 0  # the same model: rebuilt
+    capsys.readouterr()
+    before = (tmp_path / "index" / "index.faiss").read_bytes()
+    other = fake_catalogue(tmp_path / "other", clustered(30, 8, classes=3, seed=4), part_size=10)
+    _edit_manifest(other, lambda m: m["model"].update(digest="f" * 64))
+    for part in range(3):
+        _edit_part(other, part, record=lambda r: r.update(model_digest="f" * 64))
+    assert cli.build_index_main([str(other), "--out", str(tmp_path / "index")]) == 2
+    _one_line(capsys, r"^error: --out: .*index holds the index of another model \(digest dddddddddddd, this "
+                      r"catalogue's ffffffffffff\); a new model means a new index: use another --out, or delete it")
+    assert (tmp_path / "index" / "index.faiss").read_bytes() == before
