@@ -295,7 +295,7 @@ def test_each_scripts_usage_block_holds_commands_that_run_it(script):
     doc = ast.get_docstring(ast.parse((ROOT / "train" / script).read_text(encoding="utf-8")))
     usage = doc.split("Usage::", 1)[1].split("\n\n")[1]
     for line in usage.splitlines():
-        assert re.match(rf"^    (horovodrun .*?python |torchrun .*?|python )train/{re.escape(script)}( |$)", line), line
+        assert re.match(rf"^    (horovodrun .*?python |torchrun .*?|python (-m torch\.distributed\.launch .*?)?)train/{re.escape(script)}( |$)", line), line
 
 
 def test_records_of_another_model_written_while_a_job_ran_stop_it_before_the_manifest(tmp_path, monkeypatch):
