@@ -49,6 +49,9 @@ from pksampler.train.evaluation.shard_search import merge_topk, search_shard
 
 __all__ = ["ShardedResult", "sharded_retrieval"]
 
+#: global ids stay below this: a neighbour travels as ``2 * id + hit`` in an int64
+_ID_LIMIT = 1 << 62
+
 #: rows normalised / checked at once (bounds the temporary copies for a multi-GB shard)
 _ROW_BLOCK = 1 << 16
 
@@ -119,7 +122,11 @@ def _prepare_shard(embeddings: Any, labels: Any, ids: Any, metric: str):
                              f"{start + row}, column {column}")
     count = shard.shape[0]
     labels = as_numpy(labels, name="sharded_retrieval(labels=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
-    ids = as_numpy(ids, name="sharded_retrieval(ids=)", kinds="iu", ndim=1).astype(np.int64, copy=False)
+    ids = as_numpy(ids, name="sharded_retrieval(ids=)", kinds="iu", ndim=1)
+    if ids.size and ids.max() >= _ID_LIMIT:  # before int64: a uint64 past 2**63 would wrap negative
+        raise ValueError(f"sharded_retrieval(ids=) must be global ids below 2**62 = {_ID_LIMIT} (a neighbour "
+                         f"travels as 2·id + hit in int64), got {int(ids.max())}")
+    ids = ids.astype(np.int64, copy=False)
     for name, value in (("labels", labels), ("ids", ids)):
         if value.size != count:
             raise ValueError(f"sharded_retrieval({name}=) must hold one value per row of embeddings= ({count}), "
@@ -341,7 +348,7 @@ def sharded_retrieval(
     Args:
         embeddings: this rank's ``(n, d)`` rows (numpy or torch; ``n`` may be 0, with ``d`` columns).
         labels: ``(n,)`` integer labels of those rows.
-        ids: ``(n,)`` global ids of those rows, unique over all ranks; ties rank by them.
+        ids: ``(n,)`` global ids of those rows, unique over all ranks, in ``[0, 2**62)``; ties rank by them.
         query_ids: the global ids that are queries, the same on every rank; ``None``: every item
             (see :func:`~.queries.stratified_queries` for a sample).
         ks: the k of each ``recall_at_{k}``.

@@ -349,3 +349,32 @@ def test_a_launched_rank_without_a_runtime_is_told_to_start_one(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"launcher started 2 ranks but neither Horovod nor torch.distributed"):
         sharded_retrieval(x, labels, np.arange(labels.size))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_global_ids_past_the_encodable_range_are_refused_on_every_rank_and_the_last_one_still_scores(world):
+    """A neighbour travels as 2·id + hit in int64: an id of 2**62 once dropped every neighbour (all metrics 0)."""
+    x, labels = clustered(seed=5, classes=8)
+    rows = np.arange(labels.size)
+    reference = run_ranks(world, x, labels)[0].metrics
+
+    def shard(base: int):
+        def rank_share(rank: int):
+            mine = rows % world == rank
+            return x[mine], labels[mine], base + rows[mine], {}
+        return rank_share
+
+    last = shard(2**62 - labels.size)  # the largest id is 2**62 - 1: still encodable
+    group = _Group(world)
+    with ThreadPoolExecutor(world) as pool:
+        results = [f.result() for f in [pool.submit(lambda r: sharded_retrieval(
+            *last(r)[:3], collectives=ThreadRank(group, r)), rank) for rank in range(world)]]
+    assert all(result.metrics == reference for result in results) and reference["recall_at_1"] > 0.5
+    for bad in (2**62 - labels.size + 1, np.uint64(2**63)):
+        messages = shard_errors(world, lambda rank, bad=bad: (*shard(0)(rank)[:2],
+                                                              np.asarray(shard(0)(rank)[2], dtype=np.uint64) + bad,
+                                                              {}))
+        assert len(set(messages)) == 1, messages
+        found = re.search(r"sharded_retrieval\(ids=\) must be global ids below 2\*\*62 = 4611686018427387904 "
+                          r"\(a neighbour travels as 2·id \+ hit in int64\), got (\d+)\b", messages[0])
+        assert found and int(bad) <= int(found.group(1)) < int(bad) + labels.size, messages[0]
