@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
+from framework_runs import G, K, SEED, IndexDataset, write_record
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 

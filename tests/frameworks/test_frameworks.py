@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from launch import free_port, kill_agent
 
-from framework_runs import STEPS, WORLD, check_epoch, reference_plan  # first: torchvision importable here
+from framework_runs import STEPS, WORLD, check_epoch, reference_plan
 
 pytestmark = pytest.mark.launcher  # two processes under each framework's launcher
 HERE = Path(__file__).resolve().parent

@@ -13,12 +13,9 @@ from operator import itemgetter
 import numpy as np
 import pytest
 import torch
-from torchvision_fallback import importable_torchvision
 
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler, SamplerSetupError
 from pksampler.samplers import world_info
-
-importable_torchvision()  # Lightning imports it through torchmetrics
 
 LABELS = np.arange(400) % 40
 
