@@ -5,12 +5,17 @@
    ``DistributedSamplerWrapper`` that shuffles the rank's stream and keeps
    1/W of it; ``accelerator.prepare(loader)`` deals the rank's batches
    round-robin (``BatchSamplerShard``) or feeds every rank from rank 0
-   (``DataLoaderDispatcher``). Each turns P x K batches into something else
-   without an error. The sampler already gives every rank its share, so when
-   it finds one of them on the call stack that creates its iterator (or
-   that calls ``set_epoch``: the dispatcher does so on every rank but
-   iterates on rank 0 only, so every rank must refuse there) it raises
-   :class:`SamplerSetupError` naming the setting that leaves it alone.
+   (``DataLoaderDispatcher``); pytorch-ignite's ``idist.auto_dataloader``
+   wraps a ``sampler=`` in ``DistributedProxySampler`` and catalyst's
+   ``DistributedSamplerWrapper`` (the source of Lightning's) does the same.
+   Each turns P x K batches into something else without an error. The
+   sampler already gives every rank its share, so when it finds one of them
+   on the call stack that creates its iterator (or that calls ``set_epoch``:
+   the dispatcher does so on every rank but iterates on rank 0 only, so every
+   rank must refuse there) it raises :class:`SamplerSetupError` naming the
+   setting that leaves it alone. Besides the classes it knows by name it
+   recognises the behaviour: any ``DistributedSampler`` of more than one
+   replica iterating this sampler keeps every W-th index of its stream.
 2. **A world detected too early.** A sampler built before the process group
    exists (Lightning starts it inside ``fit()``) may have found "rank 0 of 1"
    on a rank of a larger world. When the rank and world size were detected,
@@ -36,6 +41,13 @@ _LIGHTNING_FIX = ("pass Trainer(use_distributed_sampler=False) (Fabric: setup_da
 _ACCELERATE_FIX = ("leave the DataLoader out of accelerator.prepare(...) (prepare the model and optimizer only) and "
                    "call sampler.set_epoch(epoch) yourself; the sampler already gives each rank its share of every step")
 
+_IGNITE_FIX = ("pass the batch form as idist.auto_dataloader(dataset, batch_sampler=DistributedBalancedBatchSampler(...)) "
+               "(it leaves a batch_sampler alone), or build the DataLoader yourself; the sampler already gives each "
+               "rank its share of every step")
+_UNWRAPPED_FIX = ("pass the sampler to the DataLoader as it is (sampler= with batch_size=P*K, or the batch form as "
+                  "batch_sampler=), without a distributed wrapper; the sampler already gives each rank its share of "
+                  "every step")
+
 _LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric")
 _LIGHTNING_WRAPPER = "Lightning's DistributedSamplerWrapper (Trainer(use_distributed_sampler=True), the default)"
 #: (module prefixes, class name) -> (what the error calls it, the fix it names)
@@ -47,6 +59,9 @@ _WRAPPERS = {
     (("accelerate",), "DataLoaderDispatcher"): ("Accelerate's DataLoaderDispatcher (dispatch_batches=True)",
                                                 _ACCELERATE_FIX),
     (("accelerate",), "IterableDatasetShard"): ("Accelerate's IterableDatasetShard", _ACCELERATE_FIX),
+    (("ignite",), "DistributedProxySampler"): ("pytorch-ignite's DistributedProxySampler "
+                                               "(idist.auto_dataloader(..., sampler=...))", _IGNITE_FIX),
+    (("catalyst",), "DistributedSamplerWrapper"): ("catalyst's DistributedSamplerWrapper", _UNWRAPPED_FIX),
 }
 
 
@@ -55,13 +70,26 @@ class SamplerSetupError(RuntimeError):
 
 
 def _wrapper_fix(obj: object) -> tuple[str, str] | None:
-    """``(wrapper's name, fix)`` when ``obj`` is a known re-sharding wrapper, else None."""
+    """``(wrapper's name, fix)`` when ``obj`` is a known re-sharding wrapper or behaves as one, else None."""
     cls = type(obj)
     module = getattr(cls, "__module__", "") or ""
     for (prefixes, name), found in _WRAPPERS.items():
         if cls.__name__ == name and module.split(".")[0] in prefixes:
             return found
-    return None
+    return _resharding_by_behaviour(obj, module)
+
+
+def _resharding_by_behaviour(obj: object, module: str) -> tuple[str, str] | None:
+    """A ``DistributedSampler`` of W > 1 replicas above this sampler's iterator: it keeps every W-th index."""
+    from torch.utils.data import DistributedSampler
+
+    replicas = getattr(obj, "num_replicas", None)
+    if module.split(".")[0] == "pksampler" or not isinstance(obj, DistributedSampler) \
+            or not isinstance(replicas, int) or replicas < 2:
+        return None
+    name = f"{module}.{type(obj).__qualname__}" if module else type(obj).__qualname__
+    return f"{name}, a DistributedSampler of {replicas} replicas iterating it (it keeps one index in {replicas})", \
+        _UNWRAPPED_FIX
 
 
 def resharding_wrapper(skip: int = 1) -> tuple[str, str] | None:

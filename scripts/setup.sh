@@ -9,7 +9,10 @@
 #    unpinned torch would pull the multi-GB CUDA build), then this project in
 #    editable mode with its dev extras under a constraints file that pins the
 #    installed torch, so no extra (pytorch-metric-learning, tensorboard, ...)
-#    can replace it;
+#    can replace it; the parity tests' reference code (timm and torchvision's
+#    Python files) goes to $VENV/reference/, outside site-packages: the
+#    torchvision wheel cannot load against the CPU torch, and once installed
+#    it breaks `import lightning` (torchmetrics imports it when present);
 # 3. builds Horovod 0.28.1 from its PyPI sdist with PyTorch + Gloo (no MPI,
 #    TensorFlow or MXNet), patched for torch >= 2.1 (C++17) and Python 3.12
 #    (no distutils), plus NCCL for GPU tensors when a CUDA torch, nvcc and a
@@ -33,6 +36,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEFAULT_PYTHON_VERSION="3.11"
 TORCH_VERSION="2.13.0"
+# torchvision's release built with that torch: only its Python code is used, by the parity tests
+TORCHVISION_VERSION="0.28.0"
 HOROVOD_VERSION="0.28.1"
 CACHE_DIR="${PKSAMPLER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/pksampler}"
 
@@ -161,6 +166,25 @@ echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
 log "installing pksampler (editable) with dev extras"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT[dev]"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 'an extra replaced torch with %s' % torch.__version__)"
+
+# --- the parity tests' reference code, where nothing else imports it -----------
+# torchvision's PyPI wheel is built against the CUDA torch: its package __init__
+# cannot register its compiled operators (torchvision::nms) against the CPU torch,
+# and torchmetrics (under Lightning) imports it whenever it is installed. So the
+# environment holds no torchvision (an earlier set-up's is removed, with the timm
+# that needs it); tests/reference_models.py loads timm's and torchvision's own
+# Python code from $VENV/reference/.
+for stale in torchvision timm; do
+    if "$PY" -m pip show -q "$stale" >/dev/null 2>&1; then
+        log "removing $stale from the environment (its reference code goes to $VENV/reference)"
+        "${PIP[@]}" uninstall -q -y "$stale"
+    fi
+done
+log "installing the parity tests' reference code (timm, torchvision $TORCHVISION_VERSION) into $VENV/reference"
+rm -rf "$VENV/reference"
+"${PIP[@]}" install -q --no-deps --target "$VENV/reference/timm" "timm>=1.0"
+"${PIP[@]}" install -q --no-deps --target "$VENV/reference/torchvision" "torchvision==$TORCHVISION_VERSION"
+"$PY" -c "import lightning, torch.utils.data" || die "import lightning fails in $VENV (docs/frameworks.md)"
 
 # --- Horovod ------------------------------------------------------------------
 # NCCL for GPU tensors needs a CUDA torch and nvcc; `auto` also wants a visible

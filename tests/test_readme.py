@@ -24,14 +24,12 @@ import pytest
 import yaml
 from hf_datasets import import_hf_datasets
 from launch import ROOT
-from torchvision_fallback import importable_torchvision
 
 import pksampler.train  # noqa: F401  (registers the configuration's choice lists)
 from pksampler.train.config.load import load_config
 from pksampler.train.config.schema import RunConfig
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-importable_torchvision()  # docs/frameworks.md imports Lightning, which imports torchvision
 import_hf_datasets()  # `from datasets import ...` in a snippet: Hugging Face's, not the repository's folder
 #: config keys whose values are free-form mappings: any sub-key may follow them
 FREE_FORM = {"data.args", "data.augment", "sampler.args", "loss.args", "loss.miner", "loss.memory"}

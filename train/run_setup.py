@@ -259,7 +259,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     if backend.size > 1 and running_statistics(parts.model):  # before the epoch's checkpoint and evaluation
-        hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean))
+        hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean, lambda: backend.world))
     hooks += [
         checkpoints,
         EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,

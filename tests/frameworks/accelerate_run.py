@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
+from framework_runs import G, K, SEED, IndexDataset, write_record
 import torch
 from accelerate import Accelerator
 from accelerate.data_loader import prepare_data_loader

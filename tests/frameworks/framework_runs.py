@@ -16,9 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import Dataset
-from torchvision_fallback import importable_torchvision
-
-importable_torchvision()  # before any framework import (Lightning imports torchvision through torchmetrics)
 
 N, CLASSES, G, K, SEED, WORLD = 2000, 50, 8, 4, 7, 2
 LABELS = np.arange(N) % CLASSES

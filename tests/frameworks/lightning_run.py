@@ -17,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
+from framework_runs import G, K, SEED, IndexDataset, write_record
 import lightning as L
 import torch
 from torch.utils.data import DataLoader

@@ -1,9 +1,12 @@
-"""torchdata's StatefulDataLoader under torchrun, two processes: exact mid-epoch resume, then the rank checks.
+"""torchdata's StatefulDataLoader and pytorch-ignite's auto_dataloader under torchrun, two processes.
 
 ``torchrun --nproc_per_node 2 stateful_run.py OUT``. For each form (batch, flat) and 0 or 2 workers:
 read 20 batches of epoch 1, save the loader's state, load it into a new loader over a new sampler,
 read the rest of the epoch, then all of epoch 2. Then ``check_consistent`` with the live process
-group, once right and once with a sampler that claims rank 0 on both processes.
+group, once right and once with a sampler that claims rank 0 on both processes. Last, ignite's
+``idist.auto_dataloader`` on the same process group: the batch form as ``batch_sampler=`` (epochs 0
+and 1), and the flat form as ``sampler=``, which ignite wraps in its re-sharding
+``DistributedProxySampler`` (the error is recorded).
 Recorded per rank in OUT/stateful-rank<r>.json.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from framework_runs import G, K, SEED, IndexDataset, write_record  # first: it makes torchvision importable here
+from framework_runs import G, K, SEED, IndexDataset, write_record
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -50,6 +53,27 @@ def resumed_run(form: str, workers: int) -> dict:
     return {"before": before, "after": after, "next": following, "len": [len(first), len(second)]}
 
 
+def ignite_runs() -> dict:
+    """``idist.auto_dataloader`` with the batch form (kept as it is) and the flat form (wrapped: refused)."""
+    import ignite.distributed as idist
+
+    options = dict(samples_per_class=K, classes_per_step=G, seed=SEED)
+    batches = DistributedBalancedBatchSampler(IndexDataset(), **options)
+    kept = idist.auto_dataloader(IndexDataset(), batch_sampler=batches)
+    epochs = {}
+    for epoch in (0, 1):
+        batches.set_epoch(epoch)
+        epochs[str(epoch)] = [indices.tolist() for indices, _ in kept]
+    flat = DistributedBalancedSampler(IndexDataset(), **options)
+    wrapped = idist.auto_dataloader(IndexDataset(), sampler=flat, batch_size=flat.batch_size)
+    try:
+        next(iter(wrapped))
+        error = f"no error: {type(wrapped.sampler).__name__}"
+    except Exception as caught:  # recorded for the test to check
+        error = f"{type(caught).__name__}: {caught}"
+    return {"batch": {"epochs": epochs}, "flat": error}
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -63,6 +87,7 @@ def main() -> None:
         record["wrong-rank"] = "no error"
     except Exception as error:  # recorded for the test to check
         record["wrong-rank"] = f"{type(error).__name__}: {error}"
+    record["ignite"] = ignite_runs()
     write_record(Path(sys.argv[1]), f"stateful-rank{rank}", record)
     dist.destroy_process_group()
 

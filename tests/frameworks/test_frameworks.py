@@ -1,6 +1,6 @@
-"""The sampler inside Lightning, Accelerate and torchdata, each launched with two real processes (gloo, CPU).
+"""The sampler inside Lightning, Accelerate, torchdata and pytorch-ignite, with two real processes (gloo, CPU).
 
-One launch per framework runs its correct recipes and its misuses; the
+One launch per framework (ignite shares torchdata's torchrun launch) runs its correct recipes and its misuses; the
 scripts record every rank's batches and errors, and these tests check them
 against the plan computed here: P x K batches, no class on two ranks in a
 step, equal steps on every rank, ``set_epoch`` reaching the sampler, exact
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from launch import free_port, kill_agent
 
-from framework_runs import STEPS, WORLD, check_epoch, reference_plan  # first: torchvision importable here
+from framework_runs import STEPS, WORLD, check_epoch, reference_plan
 
 pytestmark = pytest.mark.launcher  # two processes under each framework's launcher
 HERE = Path(__file__).resolve().parent
@@ -97,7 +97,7 @@ def test_accelerate_launch_trains_exact_pk_unprepared_and_refuses_each_prepared_
                 "leave the DataLoader out of accelerator.prepare(...)" in error, (case, error)
 
 
-def test_stateful_dataloader_resumes_mid_epoch_exactly_and_the_ranks_are_checked(tmp_path):
+def test_stateful_dataloader_resumes_mid_epoch_exactly_and_ignite_keeps_a_batch_sampler_and_refuses_a_proxy(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
                str(HERE / "stateful_run.py"), str(tmp_path)]
     output = run(command)
@@ -110,3 +110,8 @@ def test_stateful_dataloader_resumes_mid_epoch_exactly_and_the_ranks_are_checked
     for record in ranks:
         assert record["wrong-rank"].startswith("SamplerMismatchError: sampler ranks do not match the process group "
                                                "(process 1 has rank=0)"), record["wrong-rank"]
+    for epoch in (0, 1):  # ignite's auto_dataloader leaves the batch form alone: exact P x K
+        check_epoch(epochs_of([r["ignite"] for r in ranks], "batch", epoch), epoch)
+    for record in ranks:  # and wraps the flat form in DistributedProxySampler, which the sampler refuses
+        assert record["ignite"]["flat"].startswith("SamplerSetupError: DistributedBalancedSampler is used through "
+                                                   "pytorch-ignite's DistributedProxySampler"), record["ignite"]

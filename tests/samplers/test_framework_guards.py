@@ -8,14 +8,14 @@ with real processes.
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import numpy as np
 import pytest
-from torchvision_fallback import importable_torchvision
+import torch
 
 from pksampler.samplers import DistributedBalancedBatchSampler, DistributedBalancedSampler, SamplerSetupError
 from pksampler.samplers import world_info
-
-importable_torchvision()  # Lightning imports it through torchmetrics
 
 LABELS = np.arange(400) % 40
 
@@ -103,3 +103,54 @@ def test_a_world_detected_before_the_launcher_spoke_is_refused_when_iterated(mon
         iter(sampler)
     explicit = DistributedBalancedBatchSampler(LABELS, 4, 2, num_replicas=1, rank=0)
     assert len(list(explicit)) == len(explicit)
+
+
+class _DatasetFromSampler(torch.utils.data.Dataset):
+    """catalyst 21.5's ``catalyst.data.dataset.torch.DatasetFromSampler``, copied faithfully (catalyst does not
+    import on Python 3.11: ``collections.MutableMapping``)."""
+
+    def __init__(self, sampler):
+        self.sampler = sampler
+        self.sampler_list = None
+
+    def __getitem__(self, index: int):
+        if self.sampler_list is None:
+            self.sampler_list = list(self.sampler)
+        return self.sampler_list[index]
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class CatalystDistributedSamplerWrapper(torch.utils.data.DistributedSampler):
+    """catalyst 21.5's ``catalyst.data.sampler.DistributedSamplerWrapper``, its iteration copied faithfully."""
+
+    def __init__(self, sampler, num_replicas=None, rank=None, shuffle=True):
+        super().__init__(_DatasetFromSampler(sampler), num_replicas=num_replicas, rank=rank, shuffle=shuffle)
+        self.sampler = sampler
+
+    def __iter__(self):
+        self.dataset = _DatasetFromSampler(self.sampler)
+        indexes_of_indexes = super().__iter__()
+        return iter(itemgetter(*indexes_of_indexes)(self.dataset))
+
+
+CatalystDistributedSamplerWrapper.__module__ = "tests.catalyst_copy"  # not catalyst's: found by its behaviour
+
+
+def test_ignite_proxy_and_a_catalyst_style_wrapper_are_refused_by_what_they_do():
+    """Before: both re-sharded silently (half the indices, batches no longer P x K)."""
+    from ignite.distributed.auto import DistributedProxySampler
+
+    sampler = DistributedBalancedSampler(LABELS, 4, 2, num_replicas=2, rank=0)
+    with pytest.raises(SamplerSetupError, match=r"^DistributedBalancedSampler is used through pytorch-ignite's "
+                                                r"DistributedProxySampler \(idist.auto_dataloader\(\.\.\., sampler=\.\.\.\)\)"
+                                                r".*idist.auto_dataloader\(dataset, batch_sampler="):
+        list(DistributedProxySampler(sampler, num_replicas=2, rank=0))
+    with pytest.raises(SamplerSetupError, match=r"^DistributedBalancedSampler is used through "
+                                                r"tests.catalyst_copy.CatalystDistributedSamplerWrapper, a "
+                                                r"DistributedSampler of 2 replicas iterating it \(it keeps one "
+                                                r"index in 2\), which re-shards .*without a distributed wrapper"):
+        list(CatalystDistributedSamplerWrapper(sampler, num_replicas=2, rank=1))
+    whole = list(CatalystDistributedSamplerWrapper(sampler, num_replicas=1, rank=0, shuffle=False))
+    assert whole == list(sampler)  # one replica keeps every index: nothing to refuse

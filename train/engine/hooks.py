@@ -28,7 +28,7 @@ from pksampler.train.engine.checkpoint import count_non_finite
 from pksampler.train.engine.events import EventStorage
 from pksampler.train.losses.mining import mine_class_neighbours
 from pksampler.train.errors import ConfigError
-from pksampler.train.engine.trainer import HookBase, TrainingDiverged
+from pksampler.train.engine.trainer import HookBase, TrainingDiverged, divergence_advice
 
 __all__ = [
     "BadImageHook",
@@ -139,7 +139,7 @@ class CheckpointHook(HookBase):
         if bad:
             raise TrainingDiverged(f"the model holds {bad} NaN or infinite parameter value(s) at global step "
                                    f"{self.trainer.state.global_step}; {name} was not written (the last good one is "
-                                   "kept): lower optim.lr, raise optim.warmup_steps or check the data")
+                                   f"kept): {divergence_advice(self.trainer.parts.optimizer)}")
 
     def _build_and_write(self, name: str) -> None:
         state = self.trainer.state_dict()  # on every rank: a sharded head gathers its rows here

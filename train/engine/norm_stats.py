@@ -10,6 +10,11 @@ variance by their mean over the ranks after each epoch (timm's
 ``distribute_bn(reduce=True)``), before the epoch's checkpoint and
 evaluation, so both read statistics of the whole world's batches, the same on
 every rank.
+
+Each rank's statistics are checked before they are averaged: one rank's NaN
+(a batch of non-finite activations) would otherwise become every rank's. The
+check rides in the same all-reduce (a slot per rank) and stops every rank with
+:class:`~.trainer.TrainingDiverged` naming the rank and the statistic.
 """
 
 from __future__ import annotations
@@ -20,26 +25,49 @@ import torch
 from torch import nn
 
 from pksampler.train.engine.hooks import HookBase
+from pksampler.train.engine.trainer import TrainingDiverged
+from pksampler.world import World
 
 __all__ = ["NormStatisticsHook", "running_statistics"]
 
 
+def _named_statistics(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(f"{name}.{kind}" if name else kind, getattr(module, kind)) for name, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None
+            for kind in ("running_mean", "running_var")]
+
+
 def running_statistics(model: nn.Module) -> list[torch.Tensor]:
     """The running mean and variance of every BatchNorm layer of ``model`` that keeps them."""
-    return [buffer for module in model.modules()
-            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None
-            for buffer in (module.running_mean, module.running_var)]
+    return [buffer for _, buffer in _named_statistics(model)]
 
 
 class NormStatisticsHook(HookBase):
-    """After each epoch, every rank's BatchNorm running statistics become their mean over the ranks."""
+    """After each epoch, every rank's BatchNorm running statistics become their mean over the ranks.
 
-    def __init__(self, model: nn.Module, allreduce_mean: Callable[[torch.Tensor], Any]) -> None:
-        self.model, self.allreduce_mean = model, allreduce_mean
+    ``world`` gives the live rank and size (the backend's), for the per-rank finiteness slots.
+    """
+
+    def __init__(self, model: nn.Module, allreduce_mean: Callable[[torch.Tensor], Any],
+                 world: Callable[[], World]) -> None:
+        self.model, self.allreduce_mean, self.world = model, allreduce_mean, world
 
     def after_epoch(self) -> None:
-        buffers = running_statistics(self.model)
-        with torch.no_grad():  # one all-reduce for every layer's statistics, then each back in its place
-            mean = self.allreduce_mean(torch.cat([buffer.detach().flatten() for buffer in buffers]))
-            for buffer, part in zip(buffers, mean.split([buffer.numel() for buffer in buffers])):
+        names, buffers = zip(*_named_statistics(self.model))
+        world = self.world()
+        with torch.no_grad():  # one all-reduce for every layer's statistics and the ranks' slots
+            flat = torch.cat([buffer.detach().flatten().float() for buffer in buffers])
+            bad = [i for i, buffer in enumerate(buffers) if not torch.isfinite(buffer).all()]
+            slots = torch.zeros(world.size, dtype=flat.dtype, device=flat.device)
+            slots[world.rank] = bad[0] + 1 if bad else 0  # the first non-finite statistic + 1
+            mean = self.allreduce_mean(torch.cat([flat, slots]))
+            found = torch.round(mean[flat.numel():] * world.size).long().tolist()
+            if any(found):
+                rank = next(r for r, code in enumerate(found) if code)
+                raise TrainingDiverged(
+                    f"rank {rank}'s BatchNorm running statistic {names[found[rank] - 1]} holds NaN or infinite "
+                    f"values at the end of the epoch ({sum(map(bool, found))} of {world.size} ranks); nothing was "
+                    "averaged or written: a batch of non-finite activations reached it on that rank (check that "
+                    "rank's data, or fp16 overflow: train.precision)")
+            for buffer, part in zip(buffers, mean[:flat.numel()].split([buffer.numel() for buffer in buffers])):
                 buffer.copy_(part.view_as(buffer))

@@ -31,8 +31,8 @@ from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
 
-__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "clip_gradients", "gather_batch",
-           "replay_history"]
+__all__ = ["HookBase", "StepParts", "TrainState", "Trainer", "TrainingDiverged", "clip_gradients", "divergence_advice",
+           "gather_batch", "replay_history"]
 
 
 class HookBase:
@@ -73,6 +73,22 @@ class TrainingDiverged(RuntimeError):
 
     The last good checkpoint stays: parameters that are not finite are never written.
     """
+
+
+#: a peak step that removes this share of every decayed weight (lr × decay) is the likely cause of a divergence
+_DECAY_SHARE = 0.1
+
+
+def divergence_advice(optimizer: torch.optim.Optimizer) -> str:
+    """What to change after a non-finite stop: the weight decay when each step removes a large share of every
+    weight (SGD's and AdamW's 1 − lr × decay; the trust ratio bounds LAMB's and LARS's), else the rate."""
+    shrink = 0.0
+    if isinstance(optimizer, (torch.optim.SGD, torch.optim.AdamW)):
+        shrink = max(group.get("initial_lr", group["lr"]) * group["weight_decay"] for group in optimizer.param_groups)
+    if shrink >= _DECAY_SHARE:
+        return (f"each step scales the weights by 1 − lr × decay = {1 - shrink:.3g} at the peak rate: lower "
+                "optim.weight_decay (or optim.lr), then resume or start afresh")
+    return "lower optim.lr, raise optim.warmup_steps or check the data, then resume or start afresh"
 
 
 @dataclass
@@ -364,13 +380,12 @@ class Trainer:
             raise TrainingDiverged(
                 f"the embeddings hold NaN or infinite values at global step {state.global_step} (epoch "
                 f"{state.epoch + 1}; the loss is {state.loss}); training stopped. The last good checkpoint is kept: "
-                "lower optim.lr, raise optim.warmup_steps or check the data, then resume or start afresh"
+                + divergence_advice(parts.optimizer)
             )
         if not math.isfinite(state.loss):
             raise TrainingDiverged(
                 f"the loss is {state.loss} at global step {state.global_step} (epoch {state.epoch + 1}); training "
-                "stopped. The last good checkpoint is kept: lower optim.lr, raise optim.warmup_steps or check "
-                "the data, then resume or start afresh"
+                "stopped. The last good checkpoint is kept: " + divergence_advice(parts.optimizer)
             )
 
 

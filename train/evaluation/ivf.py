@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import io
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -60,8 +60,13 @@ def train_centroids(sample: np.ndarray, nlist: int, *, metric: str, seed: int) -
     return np.ascontiguousarray(kmeans.centroids, dtype=np.float32)
 
 
-def build_ivf(shard: np.ndarray, shard_ids: np.ndarray, centroids: np.ndarray, *, metric: str, nprobe: int) -> Any:
-    """A ``faiss.IndexIVFFlat`` over ``centroids`` holding this shard, keyed by global id."""
+def build_ivf(shard: np.ndarray, shard_ids: np.ndarray, centroids: np.ndarray, *, metric: str, nprobe: int,
+              rows: Callable[[np.ndarray], np.ndarray] | None = None, block_rows: int = 1 << 16) -> Any:
+    """A ``faiss.IndexIVFFlat`` over ``centroids`` holding this shard, keyed by global id.
+
+    ``rows`` maps each block of ``block_rows`` shard rows to what is indexed
+    (the cosine search normalises them), so only the index holds a second copy.
+    """
     import faiss
 
     kind = faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT
@@ -69,8 +74,9 @@ def build_ivf(shard: np.ndarray, shard_ids: np.ndarray, centroids: np.ndarray, *
     quantizer.add(centroids)
     index = faiss.IndexIVFFlat(quantizer, centroids.shape[1], centroids.shape[0], kind)
     index.is_trained = True
-    if shard.shape[0]:
-        index.add_with_ids(shard, shard_ids)
+    for start in range(0, shard.shape[0], block_rows):
+        block = shard[start:start + block_rows]
+        index.add_with_ids(block if rows is None else rows(block), shard_ids[start:start + block_rows])
     index.nprobe = min(nprobe, centroids.shape[0])
     return index
 

@@ -26,9 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
-from pksampler.train.evaluation.metrics import _TIE_MARGIN, _exact_distances, _resolve_ties
+from pksampler.train.evaluation.metrics import _TIE_MARGIN, _exact_distances, _normalise, _resolve_ties
 
-__all__ = ["merge_topk", "search_shard"]
+__all__ = ["merge_topk", "search_shard", "search_unit_blocks"]
 
 #: query rows whose candidates' exact distances are computed at once
 _EXACT_ROWS = 512
@@ -105,6 +105,31 @@ def search_shard(queries: np.ndarray, query_ids: np.ndarray, shard: np.ndarray, 
         dist[part], local = _search_rows(queries[part], shard, self_local[part], k, search_metric)
         ids[part] = np.where(local >= 0, shard_ids[np.maximum(local, 0)], -1)
     return dist, ids
+
+
+def search_unit_blocks(queries: np.ndarray, query_ids: np.ndarray, shard: np.ndarray, shard_ids: np.ndarray, k: int,
+                       *, block_rows: int, chunk_size: int = 4096) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`search_shard` with ``metric="cosine"`` over a shard that is not normalised, one block at a time.
+
+    Each block of ``block_rows`` rows is normalised into a temporary and
+    searched as a shard of its own; :func:`merge_topk` joins the blocks' lists.
+    A block is a finer split of the gallery, so the lists are the ones the
+    whole normalised shard gives, bit for bit, while the shard is held once
+    (plus one block) instead of twice. ``queries`` are normalised already.
+    """
+    dists, found = [], []
+    for start in range(0, max(shard.shape[0], 1), block_rows):
+        rows = slice(start, start + block_rows)
+        dist, ids = search_shard(queries, query_ids, unit_rows(shard[rows]), shard_ids[rows], k, metric="cosine",
+                                 chunk_size=chunk_size)
+        dists.append(dist)
+        found.append(ids)
+    return merge_topk(dists, found, k) if len(dists) > 1 else (dists[0], found[0])
+
+
+def unit_rows(x: np.ndarray) -> np.ndarray:
+    """``x``'s rows L2-normalised into a new float32 array (zero rows stay zero), as :mod:`.metrics` normalises."""
+    return _normalise(x).astype(np.float32, copy=False)
 
 
 def merge_topk(dists: Sequence[np.ndarray], ids: Sequence[np.ndarray], k: int) -> tuple[np.ndarray, np.ndarray]:

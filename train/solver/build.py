@@ -74,8 +74,14 @@ def learning_rate(optim: "OptimConfig", global_batch: int) -> float:
     return scaled_lr(optim.lr, global_batch, optim.base_batch, scaling_rule(optim))
 
 
+#: the optimizers whose step multiplies each decayed weight by 1 − rate × decay (LAMB and LARS add the decay to
+#: the update inside the trust ratio, which bounds the step)
+MULTIPLICATIVE_DECAY = frozenset({"sgd", "adamw"})
+
+
 def check_learning_rate(value: tuple["OptimConfig", int]) -> None:
-    """Raise ValueError when ``(optim, images per step)`` gives a rate that is not a finite number (config check)."""
+    """Raise ValueError when ``(optim, images per step)`` gives a rate that is not a finite number, or a rate
+    that with ``optim.weight_decay`` zeroes or flips the weights in one step (config check)."""
     optim, images = value
     rule = scaling_rule(optim)
     lr = learning_rate(optim, images)
@@ -83,6 +89,13 @@ def check_learning_rate(value: tuple["OptimConfig", int]) -> None:
         raise ValueError(f"optim.lr: {optim.lr!r} x {images} images per step / optim.base_batch={optim.base_batch} "
                          f"gives the learning rate {lr}, which is not a finite number (optim.scaling: {rule}, "
                          f"{optim.scaling!r} in the config); lower optim.lr")
+    rate = lr * max(1.0, optim.backbone_lr_scale)  # the fastest group's peak
+    if optim.name in MULTIPLICATIVE_DECAY and rate * optim.weight_decay >= 1:
+        raise ValueError(f"optim.weight_decay: {optim.weight_decay!r} times the peak rate {rate:g} (optim.lr "
+                         f"{optim.lr!r} x {images} images / optim.base_batch {optim.base_batch}, optim.scaling {rule}"
+                         f"{'' if optim.backbone_lr_scale <= 1 else f', x optim.backbone_lr_scale {optim.backbone_lr_scale!r}'}"
+                         f") must be below 1: each {optim.name} step scales a weight by 1 − rate × decay, which would "
+                         "zero or flip it")
 
 
 def warmup_length(optim: "OptimConfig", total_steps: int) -> int:

@@ -103,3 +103,29 @@ def test_the_metrics_log_stays_valid_json_for_non_finite_numbers(tmp_path):
     record = json.loads((tmp_path / "metrics.jsonl").read_text(), parse_constant=refuse)
     assert record == {"type": "step", "loss": "nan", "lr": "inf", "other": "-inf", "fine": 0.5}
     assert float(record["loss"]) != float(record["loss"]) and float(record["lr"]) == float("inf")
+
+
+def test_a_weight_decay_that_zeroes_or_flips_the_weights_in_one_step_is_refused_at_set_up(tmp_path):
+    """Before: optim.weight_decay=1e9 was accepted and the run stopped at step 4 advising a lower optim.lr."""
+    with pytest.raises(ConfigError, match=r"^optim.weight_decay: 1000000000.0 times the peak rate 0.003 \(optim.lr "
+                                          r"0.003 x 12 images / optim.base_batch 12, optim.scaling sqrt\) must be "
+                                          r"below 1: each adamw step scales a weight by 1 − rate × decay, which "
+                                          r"would zero or flip it$"):
+        tiny(tmp_path, "optim.weight_decay=1e9")
+    with pytest.raises(ConfigError, match=r"optim.weight_decay: 300.0 times the peak rate 0.006 .* x "
+                                          r"optim.backbone_lr_scale 2.0\) must be below 1: each sgd step"):
+        tiny(tmp_path, "optim.name=sgd", "optim.weight_decay=300", "optim.backbone_lr_scale=2")
+    assert tiny(tmp_path, "optim.name=sgd", "optim.weight_decay=300").optim.weight_decay == 300  # 0.9 < 1
+    assert tiny(tmp_path, "optim.name=lars", "optim.weight_decay=1e9").optim.name == "lars"  # inside the trust ratio
+
+
+@pytest.mark.parametrize("decay, advice", [(100.0, r"each step scales the weights by 1 − lr × decay = 0.7 at the peak "
+                                                   r"rate: lower optim.weight_decay \(or optim.lr\)"),
+                                           (0.0005, r"lower optim.lr, raise optim.warmup_steps or check the data")])
+def test_the_non_finite_stop_names_the_weight_decay_when_each_step_removes_a_large_share_of_every_weight(
+        tmp_path, decay, advice):
+    """Before: every non-finite stop advised a lower optim.lr, whatever the decay did to the weights."""
+    with pytest.raises(TrainingDiverged, match=r"the embeddings hold NaN or infinite values at global step 3 .* "
+                                               rf"The last good checkpoint is kept: {advice}, then resume"):
+        train(tiny(tmp_path, f"optim.weight_decay={decay}", "train.max_steps=4"), Backend(),
+              extra_hooks=[PoisonParameters()])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "modeling"))
@@ -12,7 +13,9 @@ from test_sharded_head import run_ranks  # noqa: E402
 
 from pksampler.train.config.load import load_config  # noqa: E402
 from pksampler.train.engine.norm_stats import NormStatisticsHook, running_statistics  # noqa: E402
+from pksampler.train.engine.trainer import TrainingDiverged  # noqa: E402
 from pksampler.train.modeling.model import build_model  # noqa: E402
+from pksampler.world import World  # noqa: E402
 
 
 def _model(neck: str) -> torch.nn.Module:
@@ -22,13 +25,18 @@ def _model(neck: str) -> torch.nn.Module:
     return build_model(config.model)
 
 
+def hook(model: torch.nn.Module, collectives) -> NormStatisticsHook:
+    return NormStatisticsHook(model, lambda t: collectives.allreduce_sum(t) / collectives.size,
+                              lambda: World(collectives.rank, collectives.size))
+
+
 def test_each_rank_ends_the_epoch_with_the_mean_of_every_ranks_statistics():
     def work(collectives):
         model = _model("batch").train()
         generator = torch.Generator().manual_seed(collectives.rank)
         model(torch.randn(8, 3, 16, 16, generator=generator) + 3 * collectives.rank)  # each rank its own batch
         own = [buffer.clone() for buffer in running_statistics(model)]
-        NormStatisticsHook(model, lambda t: collectives.allreduce_sum(t) / collectives.size).after_epoch()
+        hook(model, collectives).after_epoch()
         return own, [buffer.clone() for buffer in running_statistics(model)]
 
     (own0, after0), (own1, after1) = run_ranks(2, work)
@@ -40,3 +48,27 @@ def test_each_rank_ends_the_epoch_with_the_mean_of_every_ranks_statistics():
 
 def test_a_model_without_running_statistics_has_none_to_average():
     assert running_statistics(_model("none")) == [] and running_statistics(_model("layer")) == []
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_one_ranks_non_finite_statistics_stop_every_rank_naming_it_before_they_are_averaged(world):
+    """Before: rank 1's NaN running variance was averaged into every rank, and no stop named it."""
+    def work(collectives):
+        model = _model("batch").train()
+        model(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(collectives.rank)))
+        name, buffer = next((n, b) for n, b in model.named_buffers() if n.endswith("running_var"))
+        if collectives.rank == 1:
+            buffer[3] = float("inf") if world == 3 else float("nan")
+        own = [b.clone() for b in running_statistics(model)]
+        with pytest.raises(TrainingDiverged) as stop:
+            hook(model, collectives).after_epoch()
+        unchanged = all(torch.equal(a, b) | (a.isnan().any() and b.isnan().any())
+                        for a, b in zip(own, running_statistics(model)))
+        return str(stop.value), name, unchanged
+
+    results = run_ranks(world, work)
+    message, name, _ = results[0]
+    assert all(result == (message, name, True) for result in results), results
+    assert message.startswith(f"rank 1's BatchNorm running statistic {name} holds NaN or infinite values at the end "
+                              f"of the epoch (1 of {world} ranks); nothing was averaged"), message
+    assert "optim.lr" not in message and "that rank's data" in message

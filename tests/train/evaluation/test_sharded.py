@@ -349,3 +349,73 @@ def test_a_launched_rank_without_a_runtime_is_told_to_start_one(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match=r"launcher started 2 ranks but neither Horovod nor torch.distributed"):
         sharded_retrieval(x, labels, np.arange(labels.size))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_global_ids_past_the_encodable_range_are_refused_on_every_rank_and_the_last_one_still_scores(world):
+    """A neighbour travels as 2·id + hit in int64: an id of 2**62 once dropped every neighbour (all metrics 0)."""
+    x, labels = clustered(seed=5, classes=8)
+    rows = np.arange(labels.size)
+    reference = run_ranks(world, x, labels)[0].metrics
+
+    def shard(base: int):
+        def rank_share(rank: int):
+            mine = rows % world == rank
+            return x[mine], labels[mine], base + rows[mine], {}
+        return rank_share
+
+    last = shard(2**62 - labels.size)  # the largest id is 2**62 - 1: still encodable
+    group = _Group(world)
+    with ThreadPoolExecutor(world) as pool:
+        results = [f.result() for f in [pool.submit(lambda r: sharded_retrieval(
+            *last(r)[:3], collectives=ThreadRank(group, r)), rank) for rank in range(world)]]
+    assert all(result.metrics == reference for result in results) and reference["recall_at_1"] > 0.5
+    for bad in (2**62 - labels.size + 1, np.uint64(2**63)):
+        messages = shard_errors(world, lambda rank, bad=bad: (*shard(0)(rank)[:2],
+                                                              np.asarray(shard(0)(rank)[2], dtype=np.uint64) + bad,
+                                                              {}))
+        assert len(set(messages)) == 1, messages
+        found = re.search(r"sharded_retrieval\(ids=\) must be global ids below 2\*\*62 = 4611686018427387904 "
+                          r"\(a neighbour travels as 2·id \+ hit in int64\), got (\d+)\b", messages[0])
+        assert found and int(bad) <= int(found.group(1)) < int(bad) + labels.size, messages[0]
+
+
+def test_cosine_search_holds_one_block_beside_the_callers_shard_not_a_normalised_copy(monkeypatch):
+    """Before: the cosine metric kept a whole normalised copy of the shard, so a rank peaked near twice its share."""
+    import tracemalloc
+
+    from pksampler.train.evaluation import sharded
+
+    monkeypatch.setattr(sharded, "_BLOCK_BYTES", 1 << 20, raising=False)
+    rng = np.random.default_rng(7)
+    labels = np.repeat(np.arange(2_000), 50)
+    x = rng.standard_normal((labels.size, 64), dtype=np.float32)  # 25.6 MB, not normalised
+    queries = stratified_queries(labels, 40, seed=0)
+    sharded_retrieval(x[:500], labels[:500], np.arange(500))  # first-call costs (faiss, lazy imports) apart
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        result = sharded_retrieval(x, labels, np.arange(labels.size), query_ids=queries)
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert result.metrics["num_queries"] == 40
+    assert peak < 0.25 * x.nbytes, f"peak {peak / 1e6:.1f} MB beside a {x.nbytes / 1e6:.1f} MB shard"
+
+
+@pytest.mark.parametrize("index", ["flat", "ivf"])
+def test_a_shard_normalised_block_by_block_gives_the_same_bits_as_one_block(monkeypatch, index):
+    from pksampler.train.evaluation import sharded
+
+    x, labels = clustered(seed=8)
+    options = dict(metric="cosine", neighbour_ids=[0, 9, 50], num_neighbours=6, index=index, nlist=6, nprobe=2,
+                   check_queries=200)
+    whole = {w: run_ranks(w, x, labels, **options) for w in (1, 2)}
+    monkeypatch.setattr(sharded, "_BLOCK_BYTES", 7 * x.shape[1] * 4)  # blocks of 7 rows
+    for w, reference in whole.items():
+        for blocked, one in zip(run_ranks(w, x, labels, **options), reference):
+            same_result(blocked, one)
+    if index == "flat":
+        reference = evaluate_retrieval(x, labels, metric="cosine", neighbour_rows=[0, 9, 50], num_neighbours=6)
+        assert {k: whole[2][0].metrics[k] for k in reference.metrics} == reference.metrics
