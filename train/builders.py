@@ -159,6 +159,9 @@ def _entry_config(data: DataConfig, name: str, layout: str | None) -> DataConfig
         present = sorted(p.name for p in Path(data.root).iterdir())[:12] if Path(data.root).is_dir() else []
         raise ConfigError(f"data.datasets: {name!r} is not a dataset: {location} does not exist (datasets under "
                           f"data.root={data.root}: {', '.join(present) or 'none'})")
+    if is_remote(location) and layout not in (None, "shards"):
+        raise ConfigError(f"data.datasets: '{name}:{layout}' is in the object store {location}, which holds only "
+                          f"packed shards: write '{name}' or '{name}:shards'")
     layout = layout or detect_layout(location)
     args = {k: v for k, v in data.args.items() if k != "list_file"} if layout == data.name else {}
     if layout == "list":
@@ -171,14 +174,27 @@ def _union(data: DataConfig, seed: int) -> UnionDataset:
     """``data.datasets`` under ``data.root``, each opened in its layout, as one dataset of ``<name>/<class>``."""
     if not data.root:
         raise ConfigError("data.root: required with data.datasets (set DATASETS_PATH, or --set data.root=...)")
-    parts = []
+    parts, places = [], {}
     for name, layout in dataset_entries("data.datasets", data.datasets):
         entry = _entry_config(data, name, layout)
+        _check_once(places, name, f"{str(data.root).rstrip('/')}/{name}")
         parts.append((name, _open(entry, seed, entry=name)))
     try:
         return UnionDataset(parts, seed=seed)
     except ValueError as error:
         raise ConfigError(f"data.datasets: {error}") from None
+
+
+def _check_once(places: dict[str, str], name: str, location: str) -> None:
+    """Refuse a dataset listed again under another name (a symbolic link to it): its classes would count twice,
+    once per name. ``places`` maps the real paths seen so far to their entries."""
+    if is_remote(location):
+        return
+    place = str(Path(location).resolve())
+    if place in places:
+        raise ConfigError(f"data.datasets: {name!r} is the dataset {places[place]!r} again (both are {place}); "
+                          "list every dataset once (its classes would count twice)")
+    places[place] = name
 
 
 def _open(data: DataConfig, seed: int, *, entry: str | None = None) -> LabelledDataset:

@@ -83,3 +83,24 @@ def test_a_shard_local_plan_cannot_take_unpacked_datasets(datasets_path):
     with pytest.raises(ConfigError, match=r"locality='shard' needs every dataset packed in shards, but "
                                           r"data.datasets \['photos'\] are not"):
         build_data(union_config(datasets_path, "photos,packed", "sampler.args={locality: shard}"))
+
+
+def test_a_dataset_listed_again_through_a_link_is_refused(datasets_path, tmp_path):
+    """`alias -> photos` passes the rule on names but is photos twice: its classes would count twice."""
+    mount = tmp_path / "mount"
+    mount.mkdir()
+    (mount / "photos").symlink_to(datasets_path / "photos")
+    (mount / "alias").symlink_to(datasets_path / "photos")
+    (mount / "products").symlink_to(datasets_path / "products")
+    with pytest.raises(ConfigError, match=r"data.datasets: 'alias' is the dataset 'photos' again \(both are .*photos\)"
+                                          r"; list every dataset once") as caught:
+        build_data(union_config(mount, "photos,products,alias"))
+    assert "\n" not in str(caught.value)
+    assert build_data(union_config(mount, "photos,products")).dataset.num_classes == 10  # links themselves are fine
+
+
+def test_an_object_store_entry_is_read_only_as_shards():
+    with pytest.raises(ConfigError, match=r"data.datasets: 'photos:list' is in the object store s3://bucket/sets/photos"
+                                          r", which holds only packed shards: write 'photos' or 'photos:shards'"):
+        build_data(load_config(None, [*TINY, "data.name=folder", "data.args={}", "workspace=/tmp/unused"],
+                               environ={"DATASETS_PATH": "s3://bucket/sets", "DATASETS": "photos:list,products"}))
