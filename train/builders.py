@@ -54,6 +54,7 @@ __all__ = [
     "build_sampler",
     "detect_layout",
     "shard_ids_of",
+    "split_gaps",
     "build_schedule",
     "eval_size",
     "per_rank_share",
@@ -217,6 +218,30 @@ def _check_combined(config: RunConfig, dataset: UnionDataset) -> None:
         raise ConfigError(f"sampler.args.locality='shard' needs every dataset packed in shards, but data.datasets "
                           f"{dataset.unsharded()} are not: pack them (python -m pksampler.datasets.pack) or drop "
                           "the locality key")
+
+
+def split_gaps(data: DataParts, config: DataConfig) -> list[str]:
+    """One warning per dataset of a union that the class-disjoint split left out of training (every class held
+    out: none of its images is trained on) or out of evaluation (no class held out); empty for one dataset.
+
+    The split is drawn over the union's classes, so a small dataset can land wholly on one side; the run is still
+    valid, but the user asked for that dataset and should hear that it is only evaluated, or never evaluated."""
+    union = data.dataset
+    if not isinstance(union, UnionDataset):
+        return []
+    split = f"data.test_fraction={config.test_fraction}, data.split_seed={config.split_seed}"
+    warnings = []
+    for part, name in enumerate(union.names):
+        low, high = union.class_offsets[part], union.class_offsets[part + 1]
+        trained, held = (np.unique(s.labels[(s.labels >= low) & (s.labels < high)]).size for s in (data.train, data.test))
+        if not trained:
+            warnings.append(f"data.datasets {name!r}: the held-out split ({split}) took all {held} of its classes, "
+                            "so none of its images is trained on (it is only evaluated); change data.split_seed "
+                            "or give it more classes")
+        elif not held:
+            warnings.append(f"data.datasets {name!r}: the held-out split ({split}) took none of its {trained} "
+                            "classes, so no evaluation covers it")
+    return warnings
 
 
 def build_data(config: RunConfig) -> DataParts:

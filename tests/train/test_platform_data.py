@@ -10,8 +10,10 @@ from PIL import Image
 
 from pksampler.datasets import UnionDataset
 from pksampler.datasets.pack import pack
-from pksampler.train.builders import build_data, detect_layout
+from pksampler.train.builders import build_data, detect_layout, split_gaps
 from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.run_setup import train
+from pksampler.train.runtime.distributed import Backend
 from tiny_runs import TINY
 
 
@@ -104,3 +106,42 @@ def test_an_object_store_entry_is_read_only_as_shards():
                                           r", which holds only packed shards: write 'photos' or 'photos:shards'"):
         build_data(load_config(None, [*TINY, "data.name=folder", "data.args={}", "workspace=/tmp/unused"],
                                environ={"DATASETS_PATH": "s3://bucket/sets", "DATASETS": "photos:list,products"}))
+
+
+def test_a_dataset_the_split_leaves_out_of_training_or_evaluation_is_named(datasets_path):
+    """The split is drawn over the union's classes: merged.csv's one class is held out under some seeds (then none
+    of its images is trained on) and trained under others (then nothing evaluates it); both are said, by name."""
+    seen = set()
+    for seed in range(12):
+        config = union_config(datasets_path, "photos,merged.csv", f"data.split_seed={seed}")
+        data = build_data(config)
+        held_out = data.dataset.class_offsets[1] in set(data.test.labels.tolist())  # merged.csv's only class
+        gaps = split_gaps(data, config.data)
+        merged = [gap for gap in gaps if gap.startswith("data.datasets 'merged.csv'")]
+        assert len(merged) == 1 and "\n" not in merged[0]
+        if held_out:
+            assert "took all 1 of its classes, so none of its images is trained on" in merged[0]
+            assert f"data.split_seed={seed}" in merged[0]
+        else:
+            assert "took none of its 1 classes, so no evaluation covers it" in merged[0]
+        photos_split = {np.unique(s.labels[s.labels < 6]).size for s in (data.train, data.test)}
+        assert any(gap.startswith("data.datasets 'photos'") for gap in gaps) == (0 in photos_split)
+        seen.add(held_out)
+    assert seen == {True, False}
+    assert split_gaps(build_data(load_config(None, TINY)), load_config(None, TINY).data) == []  # one dataset: nothing
+
+
+def test_the_start_up_lines_warn_of_a_dataset_that_is_never_trained_on(datasets_path, tmp_path, capsys):
+    seed = next(s for s in range(50) if any("'merged.csv'" in gap and "none of its images" in gap
+                                            for gap in split_gaps(*_split(datasets_path, s))))
+    config = union_config(datasets_path, "photos,merged.csv", f"data.split_seed={seed}", f"workspace={tmp_path}",
+                          "train.max_steps=1", "train.epochs=1", "train.eval_every=1", "sampler.classes_per_step=2")
+    train(config, Backend())
+    out = capsys.readouterr().out
+    assert "[pksampler] datasets: photos 18 images 6 classes, merged.csv 6 images 1 classes;" in out
+    assert out.count("[pksampler] warning: data.datasets 'merged.csv': the held-out split") == 1
+
+
+def _split(datasets_path: Path, seed: int):
+    config = union_config(datasets_path, "photos,merged.csv", f"data.split_seed={seed}")
+    return build_data(config), config.data
