@@ -19,8 +19,9 @@ Example::
    part holds it; loads, descriptions, prefetches and shard ids are the
    parts', shifted by the offsets.
 
-Corner cases: an empty part, or two parts with one name, is a ValueError
-naming it. Shard ids are offered only when every part is stored in shards
+Corner cases: an empty part, two parts with one name, or two parts that
+hold one image file (a folder inside another, a list file naming another's
+images) is a ValueError naming them. Shard ids are offered only when every part is stored in shards
 (a shard-local plan cannot place the others' samples).
 """
 
@@ -58,6 +59,7 @@ class UnionDataset(LabelledDataset):
             if len(parts[position][1]) == 0:
                 raise ValueError(f"UnionDataset(parts=): dataset {name!r} has no images")
         datasets = [dataset for _, dataset in parts]
+        _check_disjoint(names, datasets)
         super().__init__(None, seed=datasets[0].seed if seed is None else seed, on_bad=datasets[0].on_bad)
         self.names, self.parts = names, datasets
         self.offsets = np.cumsum([0] + [len(d) for d in datasets]).astype(np.int64)
@@ -125,6 +127,24 @@ class UnionDataset(LabelledDataset):
         super().set_epoch(epoch)
         for dataset in self.parts:
             dataset.set_epoch(epoch)
+
+
+def _check_disjoint(names: list[str], datasets: list[LabelledDataset]) -> None:
+    """Refuse two datasets that hold one image file (a folder inside another, a list file naming another's images):
+    it would be a sample of two classes, its own negative. Packed datasets have no files to compare."""
+    held: list[tuple[str, set[str]]] = []
+    for name, dataset in zip(names, datasets):
+        files = dataset.files()
+        if files is None:
+            continue
+        mine = set(files)
+        for other, theirs in held:
+            shared = mine & theirs
+            if shared:
+                raise ValueError(f"UnionDataset(parts=): datasets {other!r} and {name!r} share {len(shared)} image "
+                                 f"file(s), e.g. {min(shared)}; an image in two datasets would be two classes, each "
+                                 "its own negative: list every image in one dataset")
+        held.append((name, mine))
 
 
 class _Stores:
