@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pksampler.datasets import ImageFolderDataset, ShardedDataset, UnionDataset
+from pksampler.datasets import ImageFolderDataset, ImageLoadError, LabelledSubset, ShardedDataset, UnionDataset
 from pksampler.datasets.pack import pack
 
 
@@ -93,3 +93,23 @@ def test_two_parts_that_hold_one_image_file_are_refused(parts, tmp_path):
     packed = ShardedDataset(parts["packed"])
     assert packed.files() is None  # nothing to compare: the union of two packed copies is the packer's business
     assert len(UnionDataset([("a", packed), ("b", ShardedDataset(parts["packed"]))])) == 16
+
+
+def test_each_part_keeps_its_bad_image_policy_whatever_part_comes_first(parts, tmp_path, capsys):
+    """A folder opened with on_bad="raise" behind a packed set (on_bad="replace") still raises for its bad image;
+    the packed set's samples are still replaced; a caller's "raise" (the held-out evaluator's) holds for both."""
+    strict = grey_folder(tmp_path / "strict", classes=1, per_class=2, base=50)
+    (strict / "c0" / "1.png").write_bytes(b"not a png")
+    union = UnionDataset([("packed", ShardedDataset(parts["packed"])),
+                          ("strict", ImageFolderDataset(strict, on_bad="raise"))])
+    assert union.on_bad == "replace"
+    bad = len(union) - 1  # strict/c0/1.png, the last sample
+    with pytest.raises(ImageLoadError, match="1.png"):
+        union[bad]
+    assert union[bad - 1][1] == union.labels[bad - 1]  # the good one loads
+    raising = LabelledSubset(union, np.arange(len(union)), on_bad="raise")
+    with pytest.raises(ImageLoadError):
+        raising[bad]
+    forgiving = UnionDataset([("packed", ShardedDataset(parts["packed"])), ("loose", ImageFolderDataset(strict))])
+    assert forgiving[bad][1] == forgiving.labels[bad]  # replaced by the other member of its class
+    assert "bad image" in capsys.readouterr().err
