@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import Any, Callable, Sequence
@@ -80,7 +81,7 @@ class LabelledDataset(Dataset):
     batch's bytes ahead), :attr:`shard_ids` (for ``locality="shard"``),
     :meth:`verify` and :attr:`verifiable` (digests recorded at packing),
     :attr:`worker_start_method` (how DataLoader workers must start),
-    :meth:`augmentation_key` and :meth:`sources` (the datasets of a union). :class:`~pksampler.datasets.ShardedDataset`
+    :meth:`augmentation_key`, :meth:`sources` (the datasets of a union) and :meth:`files` (the image files read). :class:`~pksampler.datasets.ShardedDataset`
     overrides them; :class:`LabelledSubset` forwards them to its parent.
     """
 
@@ -207,6 +208,12 @@ class LabelledDataset(Dataset):
         empty for a single dataset."""
         return []
 
+    def files(self) -> list[str] | None:
+        """The real paths of the image files read (folders resolved, links among them followed), so that a union
+        can tell when two of its datasets hold one image; None where the samples are not files of their own
+        (packed shards, synthetic images)."""
+        return None
+
     @property
     def worker_start_method(self) -> str | None:
         """How DataLoader workers over this dataset must start: ``"spawn"`` for an object store (its client cannot
@@ -236,6 +243,17 @@ class ImageFileDataset(LabelledDataset):
 
     def describe(self, index: int) -> str:
         return self.paths[index]
+
+    def files(self) -> list[str]:
+        """``paths`` with each folder's real path (one ``realpath`` per folder, not per file)."""
+        real: dict[str, str] = {}
+        out = []
+        for path in self.paths:
+            folder, name = os.path.split(path)
+            if folder not in real:
+                real[folder] = os.path.realpath(folder)
+            out.append(os.path.join(real[folder], name))
+        return out
 
     def _set_decoding(self, decode_size: int | None, max_pixels: int) -> None:
         self.decode_size, self.max_pixels = check_decoding(type(self).__name__, decode_size, max_pixels)

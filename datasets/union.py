@@ -17,10 +17,12 @@ Example::
    a bad image's replacement is still a binary search.
 3. A sample's augmentation key is its union index, so ranks agree whatever
    part holds it; loads, descriptions, prefetches and shard ids are the
-   parts', shifted by the offsets.
+   parts', shifted by the offsets. A bad image follows its part's
+   ``on_bad`` ("raise" wins over the caller's "replace").
 
-Corner cases: an empty part, or two parts with one name, is a ValueError
-naming it. Shard ids are offered only when every part is stored in shards
+Corner cases: an empty part, two parts with one name, or two parts that
+hold one image file (a folder inside another, a list file naming another's
+images) is a ValueError naming them. Shard ids are offered only when every part is stored in shards
 (a shard-local plan cannot place the others' samples).
 """
 
@@ -58,7 +60,9 @@ class UnionDataset(LabelledDataset):
             if len(parts[position][1]) == 0:
                 raise ValueError(f"UnionDataset(parts=): dataset {name!r} has no images")
         datasets = [dataset for _, dataset in parts]
-        super().__init__(None, seed=datasets[0].seed if seed is None else seed, on_bad=datasets[0].on_bad)
+        _check_disjoint(names, datasets)
+        on_bad = "raise" if all(d.on_bad == "raise" for d in datasets) else "replace"
+        super().__init__(None, seed=datasets[0].seed if seed is None else seed, on_bad=on_bad)
         self.names, self.parts = names, datasets
         self.offsets = np.cumsum([0] + [len(d) for d in datasets]).astype(np.int64)
         self.class_offsets = np.cumsum([0] + [len(d.classes) for d in datasets]).astype(np.int64)
@@ -78,6 +82,12 @@ class UnionDataset(LabelledDataset):
     def load(self, index: int) -> Any:
         part, inner = self.locate(index)
         return self.parts[part].load(inner)
+
+    def _load_or_replace(self, index: int, *, on_bad: str, **rest: Any) -> Any:
+        """A bad image raises when the caller or the part that holds it says ``on_bad="raise"``: each part keeps its
+        own policy (the trainer's ``data.args`` reach only the parts of one layout), whatever part comes first."""
+        policy = "raise" if "raise" in (on_bad, self.parts[self.locate(index)[0]].on_bad) else on_bad
+        return super()._load_or_replace(index, on_bad=policy, **rest)
 
     def describe(self, index: int) -> str:
         part, inner = self.locate(index)
@@ -125,6 +135,24 @@ class UnionDataset(LabelledDataset):
         super().set_epoch(epoch)
         for dataset in self.parts:
             dataset.set_epoch(epoch)
+
+
+def _check_disjoint(names: list[str], datasets: list[LabelledDataset]) -> None:
+    """Refuse two datasets that hold one image file (a folder inside another, a list file naming another's images):
+    it would be a sample of two classes, its own negative. Packed datasets have no files to compare."""
+    held: list[tuple[str, set[str]]] = []
+    for name, dataset in zip(names, datasets):
+        files = dataset.files()
+        if files is None:
+            continue
+        mine = set(files)
+        for other, theirs in held:
+            shared = mine & theirs
+            if shared:
+                raise ValueError(f"UnionDataset(parts=): datasets {other!r} and {name!r} share {len(shared)} image "
+                                 f"file(s), e.g. {min(shared)}; an image in two datasets would be two classes, each "
+                                 "its own negative: list every image in one dataset")
+        held.append((name, mine))
 
 
 class _Stores:

@@ -21,6 +21,7 @@ started, so importing it (and the samplers) costs nothing.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from typing import Any
@@ -164,26 +165,54 @@ def add_local_rank_argument(parser: Any) -> None:
 
     ``python -m torch.distributed.launch`` passes one of them to every process
     it starts (its guide: a script must accept it even if unused). Pass the
-    parsed value to :func:`adopt_local_rank`.
+    parsed value to :func:`adopt_local_rank`. Given twice with two values
+    (the launcher's and one copied from an old command line), it is a usage
+    error rather than the last one silently winning.
     """
     parser.add_argument("--local-rank", "--local_rank", dest="local_rank", type=int, default=None, metavar="N",
+                        action=_OneLocalRank,
                         help="this process's rank on its node, as python -m torch.distributed.launch passes it "
                              "(must agree with LOCAL_RANK; selects the GPU as LOCAL_RANK does)")
 
 
+class _OneLocalRank(argparse.Action):
+    """``--local-rank``: stored once; a second, different value is a usage error naming both."""
+
+    def __call__(self, parser: Any, namespace: Any, value: Any, option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        if before is not None and before != value:
+            parser.error(f"{option_string}={value}: --local-rank was already given as {before}; a process has one "
+                         "local rank, so give it once")
+        setattr(namespace, self.dest, value)
+
+
 def adopt_local_rank(value: int | None, environ: Any = None) -> None:
-    """Make the launcher's ``--local-rank`` argument and ``LOCAL_RANK`` one value: the variable is set from the
-    argument when missing, so the device is picked from it; a disagreement is a ValueError naming both."""
+    """Make the launcher's ``--local-rank`` argument and the launcher's local rank one value.
+
+    Every local-rank variable a launcher set (``LOCAL_RANK``, ``HOROVOD_LOCAL_RANK``,
+    ``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``) must equal it, as an
+    integer: under horovodrun the device comes from Horovod's, so a different
+    argument would be silently ignored. ``LOCAL_RANK`` is set from the argument
+    when missing, so the device is picked from it. A disagreement is a ValueError
+    naming both."""
     environ = os.environ if environ is None else environ
     if value is None:
         return
     if value < 0:
         raise ValueError(f"--local-rank={value}: must be an integer >= 0 (this process's rank on its node)")
-    given = environ.get("LOCAL_RANK")
-    if given is not None and given.strip() != str(value):
-        raise ValueError(f"--local-rank={value} disagrees with the environment variable LOCAL_RANK={given!r}: the "
-                         "launcher gives every process one local rank; pass one of them, or the same value")
-    environ["LOCAL_RANK"] = str(value)
+    for _, _, key in LAUNCHER_ENVIRONMENT:
+        given = environ.get(key)
+        if given is not None and _as_int(given) != value:
+            raise ValueError(f"--local-rank={value} disagrees with the environment variable {key}={given!r}: the "
+                             "launcher gives every process one local rank; pass one of them, or the same value")
+    environ.setdefault("LOCAL_RANK", str(value))
+
+
+def _as_int(text: str) -> int | None:
+    try:
+        return int(text)
+    except ValueError:
+        return None
 
 
 def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int] | None = None) -> torch.Tensor:

@@ -54,6 +54,7 @@ __all__ = [
     "build_sampler",
     "detect_layout",
     "shard_ids_of",
+    "split_gaps",
     "build_schedule",
     "eval_size",
     "per_rank_share",
@@ -159,6 +160,9 @@ def _entry_config(data: DataConfig, name: str, layout: str | None) -> DataConfig
         present = sorted(p.name for p in Path(data.root).iterdir())[:12] if Path(data.root).is_dir() else []
         raise ConfigError(f"data.datasets: {name!r} is not a dataset: {location} does not exist (datasets under "
                           f"data.root={data.root}: {', '.join(present) or 'none'})")
+    if is_remote(location) and layout not in (None, "shards"):
+        raise ConfigError(f"data.datasets: '{name}:{layout}' is in the object store {location}, which holds only "
+                          f"packed shards: write '{name}' or '{name}:shards'")
     layout = layout or detect_layout(location)
     args = {k: v for k, v in data.args.items() if k != "list_file"} if layout == data.name else {}
     if layout == "list":
@@ -171,14 +175,27 @@ def _union(data: DataConfig, seed: int) -> UnionDataset:
     """``data.datasets`` under ``data.root``, each opened in its layout, as one dataset of ``<name>/<class>``."""
     if not data.root:
         raise ConfigError("data.root: required with data.datasets (set DATASETS_PATH, or --set data.root=...)")
-    parts = []
+    parts, places = [], {}
     for name, layout in dataset_entries("data.datasets", data.datasets):
         entry = _entry_config(data, name, layout)
+        _check_once(places, name, f"{str(data.root).rstrip('/')}/{name}")
         parts.append((name, _open(entry, seed, entry=name)))
     try:
         return UnionDataset(parts, seed=seed)
     except ValueError as error:
         raise ConfigError(f"data.datasets: {error}") from None
+
+
+def _check_once(places: dict[str, str], name: str, location: str) -> None:
+    """Refuse a dataset listed again under another name (a symbolic link to it): its classes would count twice,
+    once per name. ``places`` maps the real paths seen so far to their entries."""
+    if is_remote(location):
+        return
+    place = str(Path(location).resolve())
+    if place in places:
+        raise ConfigError(f"data.datasets: {name!r} is the dataset {places[place]!r} again (both are {place}); "
+                          "list every dataset once (its classes would count twice)")
+    places[place] = name
 
 
 def _open(data: DataConfig, seed: int, *, entry: str | None = None) -> LabelledDataset:
@@ -201,6 +218,30 @@ def _check_combined(config: RunConfig, dataset: UnionDataset) -> None:
         raise ConfigError(f"sampler.args.locality='shard' needs every dataset packed in shards, but data.datasets "
                           f"{dataset.unsharded()} are not: pack them (python -m pksampler.datasets.pack) or drop "
                           "the locality key")
+
+
+def split_gaps(data: DataParts, config: DataConfig) -> list[str]:
+    """One warning per dataset of a union that the class-disjoint split left out of training (every class held
+    out: none of its images is trained on) or out of evaluation (no class held out); empty for one dataset.
+
+    The split is drawn over the union's classes, so a small dataset can land wholly on one side; the run is still
+    valid, but the user asked for that dataset and should hear that it is only evaluated, or never evaluated."""
+    union = data.dataset
+    if not isinstance(union, UnionDataset):
+        return []
+    split = f"data.test_fraction={config.test_fraction}, data.split_seed={config.split_seed}"
+    warnings = []
+    for part, name in enumerate(union.names):
+        low, high = union.class_offsets[part], union.class_offsets[part + 1]
+        trained, held = (np.unique(s.labels[(s.labels >= low) & (s.labels < high)]).size for s in (data.train, data.test))
+        if not trained:
+            warnings.append(f"data.datasets {name!r}: the held-out split ({split}) took all {held} of its classes, "
+                            "so none of its images is trained on (it is only evaluated); change data.split_seed "
+                            "or give it more classes")
+        elif not held:
+            warnings.append(f"data.datasets {name!r}: the held-out split ({split}) took none of its {trained} "
+                            "classes, so no evaluation covers it")
+    return warnings
 
 
 def build_data(config: RunConfig) -> DataParts:

@@ -36,7 +36,7 @@ from pksampler.files import atomic_write_text
 
 from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible
 from pksampler.train.builders import (DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of,
-                                      warmup_length)
+                                      split_gaps, warmup_length)
 from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
                                               load_checkpoint)
 from pksampler.train.engine.datacheck import IndexDigestHook
@@ -450,6 +450,8 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
                                                    for name, images, classes in data.dataset.sources())
               + f"; trained as one set of {len(data.dataset)} images, {data.dataset.num_classes} classes named "
               "<dataset>/<class>", flush=True)
+    for warning in split_gaps(data, config.data):
+        print(f"[pksampler] warning: {warning}", flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "
               "pass --no-resume (or another WORKSPACE) to train again", flush=True)

@@ -36,3 +36,33 @@ def test_disagreement_and_negative_values_are_named():
         adopt_local_rank(0, {"LOCAL_RANK": "1"})
     with pytest.raises(ValueError, match=r"--local-rank=-1: must be an integer >= 0"):
         adopt_local_rank(-1, {})
+
+
+@pytest.mark.parametrize("environ, key", [
+    ({"HOROVOD_RANK": "1", "HOROVOD_SIZE": "2", "HOROVOD_LOCAL_RANK": "0"}, "HOROVOD_LOCAL_RANK"),
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+     "OMPI_COMM_WORLD_LOCAL_RANK"),
+])
+def test_the_argument_must_agree_with_any_launchers_local_rank(environ, key):
+    """Under horovodrun the GPU comes from Horovod's local rank: a different --local-rank would be silently ignored."""
+    with pytest.raises(ValueError, match=rf"--local-rank=1 disagrees with the environment variable {key}='0'"):
+        adopt_local_rank(1, dict(environ))
+    agreeing = {**environ, key: "1"}
+    adopt_local_rank(1, agreeing)
+    assert launcher_world(agreeing)[2] == 1
+
+
+def test_local_rank_is_compared_as_a_number_and_a_non_number_is_named():
+    environ = {"LOCAL_RANK": "01"}
+    adopt_local_rank(1, environ)  # the same rank, written with a leading zero
+    assert environ["LOCAL_RANK"] == "01"
+    with pytest.raises(ValueError, match=r"--local-rank=0 disagrees with the environment variable LOCAL_RANK='x'"):
+        adopt_local_rank(0, {"LOCAL_RANK": "x"})
+
+
+def test_two_different_values_are_a_usage_error_and_a_repeat_of_one_is_not(capsys):
+    assert parser().parse_args(["--local-rank=1", "--local_rank", "1"]).local_rank == 1
+    with pytest.raises(SystemExit) as stopped:
+        parser().parse_args(["--local-rank=0", "--local_rank", "1"])
+    assert stopped.value.code == 2
+    assert "--local_rank=1: --local-rank was already given as 0; a process has one local rank" in capsys.readouterr().err

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pksampler.datasets import ImageFolderDataset, ShardedDataset, UnionDataset
+from pksampler.datasets import ImageFolderDataset, ImageLoadError, LabelledSubset, ShardedDataset, UnionDataset
 from pksampler.datasets.pack import pack
 
 
@@ -28,7 +28,7 @@ def parts(tmp_path_factory) -> dict[str, Path]:
     photos = grey_folder(root / "photos", classes=3, per_class=2, base=0)
     products = grey_folder(root / "products", classes=2, per_class=3, base=100)
     pack(grey_folder(root / "src", classes=2, per_class=4, base=200), root / "packed", shard_size="4KB")
-    return {"photos": photos, "products": products, "packed": root / "packed"}
+    return {"photos": photos, "products": products, "packed": root / "packed", "src": root / "src"}
 
 
 def test_equal_class_names_stay_apart_and_labels_follow_each_part(parts):
@@ -76,10 +76,40 @@ def test_bad_parts_are_named(parts):
 
 def test_object_stores_of_the_parts_report_as_one(parts):
     """The per-epoch request report reads one store: the parts' counts summed; workers spawn for any remote part."""
-    local, first, second = (ImageFolderDataset(parts["photos"]) for _ in range(3))
+    local, first, second = (ImageFolderDataset(parts[name]) for name in ("photos", "products", "src"))
     assert UnionDataset([("a", local), ("b", first)]).store is None
     first.store = SimpleNamespace(counts=lambda: (3, 300))
     second.store = SimpleNamespace(counts=lambda: (4, 400))
     one = UnionDataset([("a", local), ("b", first)])
     assert one.store is first.store and one.worker_start_method == "spawn"
     assert UnionDataset([("a", first), ("b", local), ("c", second)]).store.counts() == (7, 700)
+
+
+def test_two_parts_that_hold_one_image_file_are_refused(parts, tmp_path):
+    """Through a link or a list file, one image in two parts would be a sample of two classes."""
+    (tmp_path / "again").symlink_to(parts["photos"])
+    with pytest.raises(ValueError, match=r"datasets 'photos' and 'again' share 6 image file\(s\), e.g. .*photos/c0/0.png"):
+        UnionDataset([("photos", ImageFolderDataset(parts["photos"])), ("again", ImageFolderDataset(tmp_path / "again"))])
+    packed = ShardedDataset(parts["packed"])
+    assert packed.files() is None  # nothing to compare: the union of two packed copies is the packer's business
+    assert len(UnionDataset([("a", packed), ("b", ShardedDataset(parts["packed"]))])) == 16
+
+
+def test_each_part_keeps_its_bad_image_policy_whatever_part_comes_first(parts, tmp_path, capsys):
+    """A folder opened with on_bad="raise" behind a packed set (on_bad="replace") still raises for its bad image;
+    the packed set's samples are still replaced; a caller's "raise" (the held-out evaluator's) holds for both."""
+    strict = grey_folder(tmp_path / "strict", classes=1, per_class=2, base=50)
+    (strict / "c0" / "1.png").write_bytes(b"not a png")
+    union = UnionDataset([("packed", ShardedDataset(parts["packed"])),
+                          ("strict", ImageFolderDataset(strict, on_bad="raise"))])
+    assert union.on_bad == "replace"
+    bad = len(union) - 1  # strict/c0/1.png, the last sample
+    with pytest.raises(ImageLoadError, match="1.png"):
+        union[bad]
+    assert union[bad - 1][1] == union.labels[bad - 1]  # the good one loads
+    raising = LabelledSubset(union, np.arange(len(union)), on_bad="raise")
+    with pytest.raises(ImageLoadError):
+        raising[bad]
+    forgiving = UnionDataset([("packed", ShardedDataset(parts["packed"])), ("loose", ImageFolderDataset(strict))])
+    assert forgiving[bad][1] == forgiving.labels[bad]  # replaced by the other member of its class
+    assert "bad image" in capsys.readouterr().err

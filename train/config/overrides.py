@@ -139,15 +139,23 @@ def apply_environment(tree: dict, environ: Mapping[str, str], *, overrides: Sequ
 
 def _apply_datasets(tree: dict, environ: Mapping[str, str]) -> None:
     """``DATASETS`` under ``DATASETS_PATH``: one name is the data root; several (commas) or ``name:layout`` are
-    ``data.datasets`` under the root ``DATASETS_PATH``, trained as their union."""
-    base = environ.get("DATASETS_PATH", ".")
+    ``data.datasets`` under the root ``DATASETS_PATH``, trained as their union. A name is checked by the same rule
+    either way (:func:`~pksampler.train.config.rules.dataset_entries`): one name may not leave ``DATASETS_PATH``
+    any more than one of several."""
+    base = environ.get("DATASETS_PATH")
     names = environ.get("DATASETS", "")
+    where = f"environment variable DATASETS={names!r}"
     if "," in names or ":" in names:
-        where = f"environment variable DATASETS={names!r}"
         entries = rules.dataset_entries(where, names.split(","))
+        if not base:
+            raise ConfigError(f"{where} lists datasets by name, but DATASETS_PATH (the folder or s3:// prefix that "
+                              "holds them) is not set: set it")
         set_path(tree, "data.root", base)
         set_path(tree, "data.datasets", [name if layout is None else f"{name}:{layout}" for name, layout in entries])
         return
+    if names and base:
+        names = rules.dataset_entries(where, [names])[0][0]
+    base = base or "."
     sub = names or tree.get("data", {}).get("root") or ""
     set_path(tree, "data.root", str(Path(base) / sub) if not is_remote(base) else f"{base.rstrip('/')}/{sub}")
 

@@ -114,6 +114,9 @@ def dataset_entries(where: str, entries: Iterable[str]) -> list[tuple[str, str |
     seen: dict[str, int] = {}
     result = []
     for position, entry in enumerate(entries, start=1):
+        if "://" in entry:
+            raise ConfigError(f"{where}: entry {position} {entry!r} is a URL, not a name; put the store in "
+                              "DATASETS_PATH (s3://bucket/prefix) and the dataset's name under it here")
         name, colon, layout = entry.partition(":")
         name, layout = name.strip(), layout.strip()
         if colon and layout not in DATASET_LAYOUTS:

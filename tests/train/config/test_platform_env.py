@@ -31,6 +31,11 @@ def test_one_name_is_the_data_root_as_before():
     ("a,b,./a", r"entry 3 './a' repeats entry 1"),
     ("a,a/", r"entry 2 'a/' repeats entry 1"),
     ("a:zip,b", r"entry 1 'a:zip' names the layout 'zip'; after a colon give one of \['folder', 'list', 'shards'\]"),
+    # one name obeys the rule for several: '../x' alone would otherwise train on a sibling of the mount
+    ("../x", r"DATASETS='../x': entry 1 '../x' leaves the datasets' root"),
+    ("/etc", r"DATASETS='/etc': entry 1 '/etc' leaves the datasets' root"),
+    ("a/../../x", r"entry 1 'a/../../x' leaves the datasets' root"),
+    (" ", r"DATASETS=' ': entry 1 is empty"),
 ])
 def test_bad_entries_are_one_line_naming_the_entry(names, message):
     with pytest.raises(ConfigError, match=message) as caught:
@@ -61,3 +66,19 @@ def test_a_resume_keeps_the_dataset_list():
     del older["data"]["datasets"]
     check_resume_compatible(older, load_config(None).to_dict(), "last.pt")
     assert saved_config(older).data.datasets == ()
+
+
+def test_one_name_is_read_as_several_are_stripped_and_normalised():
+    assert load_config(None, environ={"DATASETS_PATH": "/mnt/data", "DATASETS": " photos/ "}).data.root == \
+        "/mnt/data/photos"
+    # with no DATASETS_PATH there is no mount to leave: a path of the user's own, as before
+    assert load_config(None, environ={"DATASETS": "/srv/photos"}).data.root == "/srv/photos"
+
+
+def test_several_names_need_datasets_path_and_a_url_is_not_a_name():
+    with pytest.raises(ConfigError, match=r"DATASETS='photos,products' lists datasets by name, but DATASETS_PATH "
+                                          r"\(the folder or s3:// prefix that holds them\) is not set"):
+        load_config(None, environ={"DATASETS": "photos,products"})
+    with pytest.raises(ConfigError, match=r"entry 1 's3://bucket/photos' is a URL, not a name; put the store in "
+                                          r"DATASETS_PATH"):
+        load_config(None, environ={"DATASETS": "s3://bucket/photos"})
