@@ -12,7 +12,7 @@ from .batch_augment import BatchAugment, CenterView, keyed_uniform
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
 from .sharded import ShardDamagedError, ShardedDataset
-from .split import class_disjoint_split
+from .split import class_disjoint_split, class_disjoint_split_by_name, image_holdout
 from .synthetic import SyntheticProducts, render_product
 from .transforms import ToUint8, eval_preset, sample_rng, train_preset
 
@@ -30,6 +30,8 @@ __all__ = [
     "SyntheticProducts",
     "ToUint8",
     "class_disjoint_split",
+    "class_disjoint_split_by_name",
+    "image_holdout",
     "eval_preset",
     "keyed_uniform",
     "load_rgb",
