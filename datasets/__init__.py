@@ -12,7 +12,7 @@ from .batch_augment import BatchAugment, CenterView, keyed_uniform
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
 from .sharded import ShardDamagedError, ShardedDataset
-from .split import class_disjoint_split, class_disjoint_split_by_name, image_holdout
+from .split import class_disjoint_split, class_disjoint_split_by_name, image_holdout, name_keys
 from .synthetic import SyntheticProducts, render_product
 from .transforms import ToUint8, eval_preset, sample_rng, train_preset
 
@@ -35,6 +35,7 @@ __all__ = [
     "eval_preset",
     "keyed_uniform",
     "load_rgb",
+    "name_keys",
     "render_product",
     "sample_rng",
     "train_preset",
