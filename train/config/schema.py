@@ -276,6 +276,8 @@ class TrainConfig:
     # head's rows matched by class name, a new class's row imprinted (or random); read on a fresh start only
     # (train/engine/continuation.py, docs/growing.md)
     init_from: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)
+    # train.init_from's new classes: imprint (the normalised mean embedding of their training images, Qi et al.
+    # 2018) or random (the head's initial draw)
     init_rows: str = _rule("imprint", rules.choice(lambda: ("imprint", "random")), resumable=True)
 
 

@@ -11,14 +11,13 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pksampler.datasets import SyntheticProducts
 from pksampler.train.config.load import ConfigError, load_config
 from pksampler.train.engine.checkpoint import load_checkpoint, save_checkpoint
 from pksampler.train.engine.continuation import imprint_rows, match_classes
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 from pksampler.train.run_setup import assemble, train
 from pksampler.train.runtime.distributed import Backend
-from tiny_runs import TINY
+from tiny_runs import TINY, grown_folders
 
 HEADED = [*TINY, "head.name=arcface", "data.name=folder", "data.args={}", "data.split_by=name", "data.heldout_images=1",
           "train.checkpoint_every=0"]
@@ -38,15 +37,7 @@ class Ranks:
 
 
 def folders(tmp_path: Path) -> tuple[Path, Path]:
-    """Week 1: products 0-23; week 2: products 2-31 (two left, eight new: every code shifts by two)."""
-    week1, week2 = tmp_path / "week1", tmp_path / "week2"
-    SyntheticProducts(32, 6, image_size=32, root=tmp_path / "all")
-    for out, names in ((week1, range(0, 24)), (week2, range(2, 32))):
-        for c in names:
-            (out / f"product_{c:05d}").mkdir(parents=True)
-            for image in (tmp_path / "all" / f"product_{c:05d}").iterdir():
-                (out / f"product_{c:05d}" / image.name).write_bytes(image.read_bytes())
-    return week1, week2
+    return grown_folders(tmp_path)
 
 
 def config(tmp_path: Path, root: Path, name: str, *extra: str):
