@@ -120,7 +120,15 @@ def test_the_continued_run_evaluates_at_step_0_known_and_new_apart(tmp_path):
     week1, week2 = folders(tmp_path)
     train(config(tmp_path, week1, "w1", "train.epochs=1"), Backend())
     start = tmp_path / "w1" / "checkpoints" / "last.pt"
-    train(config(tmp_path, week2, "w2", f"train.init_from={start}", "train.epochs=1"), Backend())
+    train(config(tmp_path, week2, "w2", f"train.init_from={start}", "train.epochs=1", "train.tensorboard=true"),
+          Backend())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "w2" / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    for tag in ("eval/image_known_recall_at_1", "eval/image_new_recall_at_1", "eval/image_recall_at_1"):
+        steps = [event.step for event in board.Scalars(tag)]
+        assert len(steps) == 2 and steps[0] == 0 < steps[1]
     evals = [r for r in map(json.loads, (tmp_path / "w2" / "metrics.jsonl").read_text().splitlines())
              if r["type"] == "eval"]
     assert [r["global_step"] for r in evals][0] == 0 and len(evals) == 2
