@@ -12,7 +12,7 @@ code, since codes follow the sorted names and shift as classes come and go:
 * a new training class's row is imprinted (Qi et al. 2018, "Low-Shot Learning
   with Imprinted Weights"): the normalised mean of its training images'
   normalised embeddings, the model in eval mode (the embedding retrieval
-  reads), scaled to the kept rows' mean length so it learns at their rate
+  reads), scaled to the mean length of the kept rows the saved run trained, so it learns at their rate
   (an SGD step turns a row by about lr/‖w‖²). Each rank embeds the images of
   the new classes in its own row range and sums them in float64 in blocks: no
   rank holds more than one block of embeddings, and the rows are the same at
@@ -160,11 +160,11 @@ def _load_kept_rows(head: ShardedMarginHead, saved_head: dict[str, Any] | None, 
     return torch.from_numpy(np.setdiff1d(np.arange(local.size), kept))
 
 
-def _mean_length(head: ShardedMarginHead, new_local: torch.Tensor, backend: Any) -> float:
-    """The kept rows' mean length over every rank (float64); the initial rows' when none is kept."""
-    kept = torch.ones(head.rows.shape[0], dtype=torch.bool)
-    kept[new_local] = False
-    norms = head.rows[kept.to(head.rows.device)].double().norm(dim=2).flatten()
+def _mean_length(head: ShardedMarginHead, known: np.ndarray, backend: Any) -> float:
+    """The mean length of the kept rows the saved run trained (``known``: per class code) over every rank, in
+    float64; the initial rows' when there is none (a held-out class's row never was a positive: not counted)."""
+    mine = torch.from_numpy(np.flatnonzero(known[head.lo:head.hi])).to(head.rows.device)
+    norms = head.rows[mine].double().norm(dim=2).flatten()
     total = torch.stack([norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64)])
     if backend.size > 1:
         total = backend.allreduce_sum(total.to(head.rows.device)).cpu()
@@ -201,17 +201,19 @@ def _raise(error: Exception | None) -> None:
 
 def _take_saved(path: str, model: torch.nn.Module, loss_fn: Any, names: Sequence[str]):
     """This rank's local part (no collective): the checkpoint read, the model and neck loaded, the kept rows
-    copied. Returns the class record, the match and this rank's new rows (local indices; None without a head)."""
+    copied. Returns the class record, the match, this rank's new rows (local indices; None without a head) and
+    whether the checkpoint has a head."""
     state = _read(path)
     record = state["classes"]
     _load_model(model, state["model"], path)
     match = match_classes(record["names"], names)
     if not isinstance(loss_fn, HeadedLoss):
-        return record, match, None
+        return record, match, None, False
     saved_loss = state["loss"]
     if loss_fn.neck is not None and "neck" in saved_loss:
         loss_fn.neck.load_state_dict(saved_loss["neck"])
-    return record, match, _load_kept_rows(loss_fn.head, saved_loss.get("head"), match.saved_of, path)
+    saved_head = saved_loss.get("head")
+    return record, match, _load_kept_rows(loss_fn.head, saved_head, match.saved_of, path), saved_head is not None
 
 
 def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Sequence[str], train_labels: np.ndarray,
@@ -229,7 +231,7 @@ def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Seq
     except ConfigError as caught:
         error = caught
     agree(error)
-    record, match, new_local = taken
+    record, match, new_local, saved_has_head = taken
     saved_trained = np.asarray(record.get("trained", torch.zeros(0, dtype=torch.int64))).astype(np.int64)
     known = np.isin(match.saved_of, saved_trained) & (match.saved_of >= 0)
     now_held_out = int(np.count_nonzero(known[np.unique(np.asarray(test_labels, dtype=np.int64))]))
@@ -238,7 +240,7 @@ def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Seq
     imprinted = images = 0
     if rows == "imprint":
         head = loss_fn.head
-        length = _mean_length(head, new_local, backend)
+        length = _mean_length(head, known if saved_has_head else np.zeros_like(known), backend)
 
         def embed(block: np.ndarray) -> torch.Tensor:
             out = embed_rows(model, plain_train, block, backend, 128, 0, view)

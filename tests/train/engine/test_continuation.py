@@ -106,8 +106,10 @@ def test_a_continued_run_keeps_rows_by_name_imprints_new_ones_and_says_so(tmp_pa
                 assert torch.equal(head.rows[code], saved["loss"]["head"]["rows"][names.index(name)])
         assert not parts.loss_fn.row_optimizer.buffer.any()  # momentum reset
         data_train = parts.train_set
-        kept = torch.tensor([name in names for name in today])
-        length = head.rows[kept].norm(dim=2).mean()
+        trained = {names[c] for c in saved["classes"]["trained"].tolist()}
+        known = torch.tensor([name in trained for name in today])  # kept rows that were positives in week 1
+        assert 0 < int(known.sum()) < 22
+        length = head.rows[known].double().norm(dim=2).mean().float()
         trained_new = [c for c in range(22, 30) if (data_train.labels == c).any()]
         assert trained_new
         for code in trained_new:
