@@ -471,7 +471,9 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
     setup = backend.setup
     print(f"[pksampler] backend={backend.name} world={backend.size} device={setup.device} precision={setup.precision} "
           f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
-          f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
+          f"({np.count_nonzero(np.bincount(data.test.labels))} classes)"
+          + (f" +{data.heldout.size} held-out images of training classes" if data.heldout.size else "")
+          + f" batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
           + (f" chunk={trainer.chunk_size}" if isinstance(trainer, CachedTrainer) else "")
           + (f" head={config.head.name} classes={parts.loss_fn.head.num_classes} rows/rank={parts.loss_fn.head.rows.shape[0]}"
