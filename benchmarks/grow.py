@@ -1,7 +1,7 @@
 """Continue last week's model on this week's classes: imprinted rows, random rows, or from scratch.
 
 Run: nice -n 10 .venv/bin/python benchmarks/grow.py [--classes 300] [--fraction 0.7] [--week1-steps 400]
-     [--steps 600] [--continue-steps 200] [--parallel 2] [--set key=value ...]
+     [--steps 600] [--continue-steps 200] [--parallel 2] [--set key=value ...] [--extra-arm NAME] [--report-only]
 
 Builds the typeface set (``sets/make_typeface_images.py``, ``--classes``
 characters, one capture per typeface), splits its classes by name
@@ -99,11 +99,12 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     from matplotlib import pyplot as plt
 
     figure, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 3.8))
+    colours = {arm: f"C{number}" for number, arm in enumerate(runs)}  # an arm's colour in every panel
     for axis, (key, title) in zip(axes, PANELS):
         for arm, records in runs.items():
             points = [(r["global_step"], r[key]) for r in records if key in r]
             if points:
-                axis.plot(*zip(*points), marker="o", markersize=3, label=arm)
+                axis.plot(*zip(*points), marker="o", markersize=3, label=arm, color=colours[arm])
         axis.set_title(title, fontsize=10)
         axis.set_xlabel("global steps (week 2)")
         axis.grid(alpha=0.3)
@@ -126,6 +127,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--parallel", type=int, default=2)
     parser.add_argument("--workspace", type=Path, default=ROOT / "workspace" / "grow")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--extra-arm", dest="extra", action="append", default=[], metavar="NAME",
+                        help="also report the run in <workspace>/NAME (a continued arm trained apart)")
+    parser.add_argument("--report-only", action="store_true", help="train nothing: the table and PNG of the runs")
     return parser.parse_args()
 
 
@@ -144,11 +148,12 @@ def main() -> None:
 
     continued = args.continue_steps or args.steps // 3
     start = args.workspace / "week1" / "checkpoints" / "last.pt"
-    train_arms({"week1": command("week1", week1, args.week1_steps, []),
-                "scratch": command("scratch", full, args.steps, [])}, args.parallel)
-    train_arms({arm: command(arm, full, continued, [f"train.init_from={start}", f"train.init_rows={arm}"])
-                for arm in ("imprint", "random")}, args.parallel)
-    runs = {arm: curves(args.workspace / arm) for arm in ("scratch", "imprint", "random")}
+    if not args.report_only:
+        train_arms({"week1": command("week1", week1, args.week1_steps, []),
+                    "scratch": command("scratch", full, args.steps, [])}, args.parallel)
+        train_arms({arm: command(arm, full, continued, [f"train.init_from={start}", f"train.init_rows={arm}"])
+                    for arm in ("imprint", "random")}, args.parallel)
+    runs = {arm: curves(args.workspace / arm) for arm in ("scratch", "imprint", "random", *args.extra)}
     table = summary(runs)
     print(json.dumps(table, indent=2))
     atomic_write_text(args.workspace / "grow.json", json.dumps({"table": table, "curves": runs,
