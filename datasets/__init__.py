@@ -12,7 +12,7 @@ from .batch_augment import BatchAugment, CenterView, keyed_uniform
 from .folder import ImageFolderDataset
 from .listfile import ListFileDataset
 from .sharded import ShardDamagedError, ShardedDataset
-from .split import class_disjoint_split
+from .split import class_disjoint_split, class_disjoint_split_by_name, image_holdout, name_keys
 from .synthetic import SyntheticProducts, render_product
 from .transforms import ToUint8, eval_preset, sample_rng, train_preset
 from .union import UnionDataset
@@ -32,9 +32,12 @@ __all__ = [
     "ToUint8",
     "UnionDataset",
     "class_disjoint_split",
+    "class_disjoint_split_by_name",
+    "image_holdout",
     "eval_preset",
     "keyed_uniform",
     "load_rgb",
+    "name_keys",
     "render_product",
     "sample_rng",
     "train_preset",

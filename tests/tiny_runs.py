@@ -15,3 +15,19 @@ TINY = [
     "train.epochs=2", "train.eval_every=2", "train.checkpoint_every=0", "train.gallery_queries=3",
     "train.tensorboard=false",
 ]
+
+
+def grown_folders(root) -> tuple:
+    """Two image folders of synthetic products (32 px, 6 views): week 1 holds products 0-23, week 2 products 2-31
+    (two left, eight came, so every class code shifts by two: only names match). Returns (week1, week2)."""
+    from pksampler.datasets import SyntheticProducts
+
+    every = SyntheticProducts(32, 6, image_size=32, root=root / "all")
+    folders = (root / "week1", root / "week2")
+    for out, codes in zip(folders, (range(0, 24), range(2, 32))):
+        for code in codes:
+            name = every.classes[code]
+            (out / name).mkdir(parents=True, exist_ok=True)
+            for image in (root / "all" / name).iterdir():
+                (out / name / image.name).write_bytes(image.read_bytes())
+    return folders

@@ -7,7 +7,7 @@ hooks receive those objects, never the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -24,6 +24,8 @@ from pksampler.datasets import (
     ToUint8,
     UnionDataset,
     class_disjoint_split,
+    class_disjoint_split_by_name,
+    image_holdout,
 )
 from pksampler.datasets.base import LabelledDataset
 from pksampler.datasets.sharded import MANIFEST as SHARD_MANIFEST
@@ -77,6 +79,9 @@ class DataParts:
     test: LabelledSubset
     augment: BatchAugment | None = None
     view: CenterView | None = None
+    #: dataset indices of the training classes' images kept out of training (``data.heldout_images``): the
+    #: image-level evaluation's queries
+    heldout: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
 
 def _synthetic(data: DataConfig, seed: int) -> LabelledDataset:
@@ -253,14 +258,28 @@ def build_data(config: RunConfig) -> DataParts:
         dataset: LabelledDataset = union
     else:
         dataset = _open(data, config.seed)
-    train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
+    train_idx, test_idx, heldout = split_data(dataset, data)
     return DataParts(
         dataset,
         LabelledSubset(dataset, train_idx, transform=ToUint8(data.image_size)),
         LabelledSubset(dataset, test_idx, transform=ToUint8(eval_size(data.image_size))),
         augment=BatchAugment(data.image_size, seed=config.seed, **data.augment),
         view=CenterView(data.image_size),
+        heldout=heldout,
     )
+
+
+def split_data(dataset: LabelledDataset, data: DataConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Dataset indices of the training images, the held-out classes' images and the training classes' held-out
+    images (``data.split_by``, ``data.test_fraction``, ``data.heldout_images``, keyed by ``data.split_seed``)."""
+    if data.split_by == "name":
+        train_idx, test_idx = class_disjoint_split_by_name(dataset.labels, dataset.classes, data.test_fraction,
+                                                           data.split_seed)
+    else:
+        train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
+    kept, held = image_holdout(np.asarray(dataset.labels)[train_idx], dataset.classes, data.heldout_images,
+                               data.split_seed)
+    return train_idx[kept], test_idx, train_idx[held]
 
 
 def per_rank_share(total: int, world_size: int, key: str, rank: int = 0) -> int:

@@ -26,7 +26,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 import torch
@@ -47,6 +47,8 @@ from pksampler.train.engine.norm_stats import NormStatisticsHook, running_statis
 from pksampler.train.engine.stall import HeadScalarsHook, HeadStallHook
 from pksampler.train.evaluation.collapse import COLLAPSE_KEYS
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
+from pksampler.train.evaluation.image_level import ImageLevelEvaluator
+from pksampler.train.engine.continuation import Continuation, class_record, continue_from
 from pksampler.train.engine.hooks import (
     ObjectStoreHook,
     BadImageHook,
@@ -230,17 +232,31 @@ def _load_resume_state(config: RunConfig, backend: Backend, mode: RunMode) -> di
     return mode.resume(state)
 
 
+def _evaluation(config: RunConfig, parts: StepParts, data: DataParts,
+                continuation: Continuation | None) -> tuple[HeldOutEvaluator, Callable[[int, int], dict[str, float]]]:
+    """The held-out classes' evaluator, and the evaluation the hook runs: it, then (``data.heldout_images``) the
+    image-level one inside the training classes, known and new apart for a continued run."""
+    search = {"index": config.eval.index, "nprobe": config.eval.nprobe, "check_queries": config.eval.check_queries}
+    common = dict(queries=config.eval.queries, seed=config.seed, search=search,
+                  max_bad_fraction=config.data.max_bad_fraction, view=data.view)
+    evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, parts.backend,
+                                 galleries=Path(config.workspace) / "galleries",
+                                 gallery_queries=config.train.gallery_queries, **common)
+    if not data.heldout.size:
+        return evaluator, evaluator
+    images = ImageLevelEvaluator(parts.model, data.dataset, data.train.indices, data.heldout, parts.backend,
+                                 transform=data.test.transform,
+                                 known=continuation.known if continuation is not None else None, **common)
+    return evaluator, lambda epoch, step: {**evaluator(epoch, step), **images(epoch, step)}
+
+
 def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, checkpoints: CheckpointHook,
-           mode: RunMode) -> list[HookBase]:
+           mode: RunMode, continuation: Continuation | None = None) -> list[HookBase]:
     """The standard hooks in their order: the epoch's checkpoint is written before evaluation; the one writer
     hook (metrics.jsonl, progress, TensorBoard) where the run mode puts it."""
     backend, parts = trainer.parts.backend, trainer.parts
     workspace = Path(config.workspace)
-    evaluator = HeldOutEvaluator(parts.model, data.dataset, data.test, backend, galleries=workspace / "galleries",
-                                 gallery_queries=config.train.gallery_queries, queries=config.eval.queries,
-                                 seed=config.seed, search={"index": config.eval.index, "nprobe": config.eval.nprobe,
-                                                           "check_queries": config.eval.check_queries},
-                                 max_bad_fraction=config.data.max_bad_fraction, view=data.view)
+    evaluator, evaluate = _evaluation(config, parts, data, continuation)
     hooks: list[HookBase] = []
     if getattr(parts.sampler, "needs_class_neighbours", False):
         hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
@@ -262,9 +278,10 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
         hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean, lambda: backend.world))
     hooks += [
         checkpoints,
-        EvaluationHook(lambda epoch: evaluator(epoch, trainer.state.global_step), checkpoints.save,
+        EvaluationHook(lambda epoch: evaluate(epoch, trainer.state.global_step), checkpoints.save,
                        every=config.train.eval_every, epochs=parts.epochs, is_main=mode.is_main,
-                       gallery=lambda: evaluator.last_gallery, share=mode.share_main()),
+                       gallery=lambda: evaluator.last_gallery, share=mode.share_main(),
+                       at_start=continuation is not None),
     ]
     if data.dataset.store is not None:  # after the checkpoint hook: it sees a max_steps stop at the same step
         hooks.append(ObjectStoreHook(data.dataset.store, backend, is_main=mode.is_main))
@@ -331,8 +348,11 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         parts = _step_parts(config, backend, mode, data, sampler, model)
         trainer = _trainer(config, parts)
         saved = _load_resume_state(config, backend, mode)
+        continuation = None
         if saved is not None:
             _load_into(trainer, saved, Path(config.workspace))
+        elif config.train.init_from:
+            continuation = _continue(config, parts, data, mode)
         elif config.model.pretrained:
             load_pretrained(parts.model, config.model.pretrained, backend, name=config.model.backbone)
         mode.broadcast_state(parts.model, parts.optimizer)
@@ -341,11 +361,21 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
             lock.release()
         raise
     workspace = Path(config.workspace)
-    log = _open_log(config, backend, data, trainer, resumed=saved is not None)
+    log = _open_log(config, backend, data, trainer, resumed=saved is not None, continuation=continuation)
     checkpoints = mode.checkpoints(workspace, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
-                                   metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict()})
-    trainer.register([*_hooks(config, trainer, data, log, checkpoints, mode), *extra_hooks])
+                                   metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict(),
+                                             "classes": class_record(data.dataset.classes, data.train.labels)})
+    trainer.register([*_hooks(config, trainer, data, log, checkpoints, mode, continuation), *extra_hooks])
     return Run(trainer, workspace, log, mode.workspace_lock(lock, workspace), mode)
+
+
+def _continue(config: RunConfig, parts: StepParts, data: DataParts, mode: RunMode) -> Continuation:
+    """``train.init_from``: the model and the head's rows of another run, matched to this run's classes by name."""
+    return continue_from(config.train.init_from, model=parts.model, loss_fn=parts.loss_fn,
+                         names=data.dataset.classes, train_labels=data.train.labels, test_labels=data.test.labels,
+                         plain_train=LabelledSubset(data.dataset, data.train.indices, transform=data.test.transform),
+                         view=data.view, backend=parts.backend, rows=config.train.init_rows,
+                         agree=mode.raise_together)
 
 
 def _load_into(trainer: Trainer, saved: dict[str, Any], workspace: Path) -> None:
@@ -359,7 +389,8 @@ def _load_into(trainer: Trainer, saved: dict[str, Any], workspace: Path) -> None
                               "WORKSPACE") from None
 
 
-def _open_log(config: RunConfig, backend: Backend, data: DataParts, trainer: Trainer, *, resumed: bool) -> EventLog:
+def _open_log(config: RunConfig, backend: Backend, data: DataParts, trainer: Trainer, *, resumed: bool,
+              continuation: Continuation | None = None) -> EventLog:
     """metrics.jsonl cut back to the checkpoint (its history replayed) or started afresh; config.json; the
     start line (rank 0)."""
     workspace = Path(config.workspace)
@@ -375,6 +406,8 @@ def _open_log(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
         with writing(workspace / "config.json"):
             atomic_write_text(workspace / "config.json", json.dumps(config.to_dict(), indent=2))
         _announce(config, backend, data, trainer, resumed=resumed)
+        if continuation is not None:
+            print(continuation.line(), flush=True)
     return log
 
 
@@ -439,7 +472,9 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
     print(f"[pksampler] backend={backend.name} world={backend.size} device={setup.device} precision={setup.precision} "
           + (f"process_group={backend.process_group} " if backend.process_group else "")
           + f"train={len(data.train)} images ({parts.sampler.index.num_classes} classes) test={len(data.test)} images "
-          f"({np.count_nonzero(np.bincount(data.test.labels))} classes) batch/rank={parts.sampler.batch_size} "
+          f"({np.count_nonzero(np.bincount(data.test.labels))} classes)"
+          + (f" +{data.heldout.size} held-out images of training classes" if data.heldout.size else "")
+          + f" batch/rank={parts.sampler.batch_size} "
           f"global={parts.global_batch} lr={lr:.4g} epochs={parts.epochs} steps/epoch={parts.sampler.num_batches}"
           + (f" chunk={trainer.chunk_size}" if isinstance(trainer, CachedTrainer) else "")
           + (f" head={config.head.name} classes={parts.loss_fn.head.num_classes} rows/rank={parts.loss_fn.head.rows.shape[0]}"

@@ -107,7 +107,8 @@ REMOVED_KEYS: dict[str, str] = {
                      "of AdamW's rate; docs/sharded-head.md)",
 }
 #: keys added after checkpoints were written, and the value every run before the key had
-ADDED_KEYS: dict[str, Any] = {"model.projection_bias": True, "model.pool_norm": False, "data.datasets": []}
+ADDED_KEYS: dict[str, Any] = {"model.projection_bias": True, "model.pool_norm": False, "data.datasets": [],
+                               "data.split_by": "index", "data.heldout_images": 0}
 
 
 def build_config(tree: Mapping[str, Any]) -> RunConfig:

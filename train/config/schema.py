@@ -88,6 +88,11 @@ class DataConfig:
     image_size: int = _rule(40, rules.positive_int)
     workers: int = _rule(1, rules.int_at_least(0), resumable=True, local=True)
     split_seed: int = _rule(0, rules.seed)
+    # index: the test classes are a permutation of the class codes (another set on a grown label set); name: each
+    # class's side is keyed by its name, so it keeps it when classes come and go (docs/growing.md)
+    split_by: str = _rule("index", rules.choice(lambda: ("index", "name")))
+    # images of every training class kept out of training: the image-level evaluation's queries (0: none)
+    heldout_images: int = _rule(0, rules.int_at_least(0))
     max_bad_fraction: float = _rule(0.001, rules.closed_interval(0.0, 1.0), resumable=True)
     # training augmentation strengths (BatchAugment): scale [0.6, 1], ratio [3/4, 4/3], flip 0.5, jitter 0.3,
     # rotation 0 unless given; e.g. {flip: 0} for text and characters, whose mirror image is another glyph
@@ -275,6 +280,13 @@ class TrainConfig:
     deterministic: bool = _rule(False, rules.boolean, resumable=True)
     # Horovod elastic: in-memory commit every N global steps and at every checkpoint (train/engine/elastic/commit.py)
     commit_every: int = _rule(10, rules.positive_int, resumable=True)
+    # A new run from a previous run's checkpoint on today's classes (not a resume): model and neck kept, the
+    # head's rows matched by class name, a new class's row imprinted (or random); read on a fresh start only
+    # (train/engine/continuation.py, docs/growing.md)
+    init_from: str | None = _rule(None, rules.optional(rules.non_empty_string), resumable=True)
+    # train.init_from's new classes: imprint (the normalised mean embedding of their training images, Qi et al.
+    # 2018) or random (the head's initial draw)
+    init_rows: str = _rule("imprint", rules.choice(lambda: ("imprint", "random")), resumable=True)
 
 
 @dataclass(frozen=True)

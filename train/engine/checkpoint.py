@@ -76,13 +76,16 @@ def save_checkpoint(path: str | os.PathLike, state: dict[str, Any]) -> Path:
     return atomic_write_bytes(path, buffer.getvalue())
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint on the CPU with ``weights_only=True``; refuse anything else, naming the file."""
+def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict[str, Any]:
+    """Load a checkpoint on the CPU with ``weights_only=True``; refuse anything else, naming the file.
+
+    ``mmap``: the tensors map the file instead of being read, so a rank that takes a few rows of a large head
+    reads only those pages (``train.init_from``)."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         reason = str(error).splitlines()[0][:200]
         raise CheckpointError(

@@ -172,15 +172,28 @@ class EvaluationHook(HookBase):
 
     ``evaluate(epoch)`` runs on every rank and returns the metrics on the
     main rank; they go to the storage as an ``eval`` record, with the result
-    gallery (``gallery()``, a PNG path or None) as an image.
+    gallery (``gallery()``, a PNG path or None) as an image. ``at_start``: also
+    before the first step of a run that starts at step 0 (a run continued from
+    another run's model: where it starts is the first point of its curves).
     """
 
     def __init__(self, evaluate: Callable[[int], dict[str, float]], save: Callable[[str], None], *,
                  every: int, epochs: int, is_main: MainRank, gallery: Callable[[], Path | None] = lambda: None,
-                 share: Callable[[bool], bool] = lambda flag: flag) -> None:
+                 share: Callable[[bool], bool] = lambda flag: flag, at_start: bool = False) -> None:
         self.evaluate, self.save, self.gallery = evaluate, save, gallery
         self.every, self.epochs, self.is_main = every, epochs, is_main
         self.share = share  # the main rank's "a new best" given to every rank (building best.pt may be collective)
+        self.at_start = at_start
+
+    def before_epoch(self) -> None:
+        # in before_epoch, not before_train: the writer hook counts the records it finds at its before_train as
+        # written already
+        state = self.trainer.state
+        if self.at_start and state.global_step == 0 and state.consumed == 0:
+            self.at_start = False
+            metrics = self.evaluate(0)
+            if self.is_main():
+                self.trainer.storage.put_record("eval", epoch=0, global_step=0, **metrics)
 
     def after_epoch(self) -> None:
         state = self.trainer.state

@@ -38,10 +38,10 @@ from pksampler.train.evaluation.sharded import ShardedResult, sharded_retrieval
 from pksampler.train.evaluation.render import save_gallery_png
 from pksampler.train.errors import ConfigError
 
-__all__ = ["HeldOutEvaluator", "embed", "embed_share"]
+__all__ = ["HeldOutEvaluator", "embed", "embed_rows", "embed_share"]
 
 
-def _embed_rows(model: torch.nn.Module, dataset, rows: np.ndarray, backend: Backend, batch_size: int, workers: int,
+def embed_rows(model: torch.nn.Module, dataset, rows: np.ndarray, backend: Backend, batch_size: int, workers: int,
                 view: Callable[[torch.Tensor], torch.Tensor] | None) -> torch.Tensor:
     """The model's float32 embeddings of ``dataset[rows]``, on the rank's device."""
     setup = backend.setup
@@ -69,7 +69,7 @@ def embed(model: torch.nn.Module, dataset: LabelledSubset, backend: Backend, bat
     per_rank = -(-count // backend.size)
     mine = np.arange(backend.rank, count, backend.size)
     mine = np.concatenate([mine, np.full(per_rank - mine.size, mine[-1] if mine.size else 0)]).astype(np.int64)
-    local = _embed_rows(model, dataset, mine, backend, batch_size, workers, view)
+    local = embed_rows(model, dataset, mine, backend, batch_size, workers, view)
     gathered = backend.allgather(local).cpu().numpy()  # (W * per_rank, D): rank-major
     order = np.arange(backend.size)[:, None] + backend.size * np.arange(per_rank)[None, :]
     result = np.empty((count, gathered.shape[1]), dtype=np.float32)
@@ -88,7 +88,7 @@ def embed_share(model: torch.nn.Module, dataset, backend: Backend, batch_size: i
     collective (call this on every rank).
     """
     mine = np.arange(backend.rank, len(dataset), backend.size, dtype=np.int64)
-    local = _embed_rows(model, dataset, mine, backend, batch_size, workers, view).cpu().numpy()
+    local = embed_rows(model, dataset, mine, backend, batch_size, workers, view).cpu().numpy()
     local = local.reshape(mine.size, -1) if mine.size else local
     if backend.size > 1:  # an empty share has no row to tell D: take it from the ranks that embedded some
         dims = backend.allgather_numpy(np.array([local.shape[1] if mine.size else -1], dtype=np.int64))[:, 0]

@@ -1,0 +1,64 @@
+"""train.init_from under real ranks: horovodrun -np 2 continues a one-process checkpoint onto a grown folder."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from launch import ROOT, launch
+from tiny_runs import TINY, grown_folders
+
+from pksampler.train.config.load import load_config
+
+pytestmark = [pytest.mark.horovod, pytest.mark.launcher]
+SCRIPT = ROOT / "train" / "retrieval.py"
+GROWN = [*TINY, "head.name=arcface", "data.name=folder", "data.args={}", "data.split_by=name",
+         "data.heldout_images=1", "train.checkpoint_every=0"]
+
+
+def arguments(folder: Path, name: str, *items: str) -> list[str]:
+    """``--config`` of the tiny run with ``items`` applied (the script's own default file is another run)."""
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(load_config(None, list(items), environ={}).to_dict()))
+    return ["--no-resume", "--config", str(path)]
+
+
+def one_process(*args: str) -> subprocess.CompletedProcess:
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def step0(workspace: Path) -> dict:
+    lines = (workspace / "metrics.jsonl").read_text().splitlines()
+    return next(r for r in map(json.loads, lines) if r["type"] == "eval" and r["global_step"] == 0)
+
+
+def test_two_ranks_continue_a_one_process_checkpoint_on_a_grown_folder(tmp_path):
+    week1, week2 = grown_folders(tmp_path / "data")
+    one_process(*arguments(tmp_path, "first", *GROWN, f"data.root={week1}", f"workspace={tmp_path / 'first'}",
+                           "train.epochs=1"))
+    grown = [*GROWN, f"data.root={week2}", f"train.init_from={tmp_path / 'first' / 'checkpoints' / 'last.pt'}",
+             "train.max_steps=1"]
+    single = one_process(*arguments(tmp_path, "one", *grown, f"workspace={tmp_path / 'one'}"))
+    result = launch("horovodrun", SCRIPT, *arguments(tmp_path, "two", *grown, f"workspace={tmp_path / 'two'}"), np=2)
+    assert result.returncode == 0, result.stdout[-4000:]
+    for output in (single.stdout, result.stdout):
+        lines = [line for line in output.splitlines() if "] init_from " in line]
+        assert len(lines) == 1 and "classes kept 22, added 8 (" in lines[0] and "dropped 2" in lines[0]
+    assert "world=2" in result.stdout
+    two, one = step0(tmp_path / "two"), step0(tmp_path / "one")
+    assert two["image_known_num_queries"] > 0 and two["image_new_num_queries"] > 0
+    for key in ("recall_at_1", "image_recall_at_1", "image_known_recall_at_1", "image_new_recall_at_1"):
+        assert two[key] == pytest.approx(one[key], abs=1e-9), key
+    # the head after the continuation and one step: the same rows at W = 2 as in one process
+    rows = [torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)["loss"]["head"]["rows"]
+            for name in ("one", "two")]
+    assert rows[0].shape == (30, 1, 16)
+    assert torch.allclose(rows[0], rows[1], atol=2e-5, rtol=0), float((rows[0] - rows[1]).abs().max())

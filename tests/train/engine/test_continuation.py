@@ -1,0 +1,159 @@
+"""train.init_from in one process: classes matched by name, new rows imprinted (the same at every W), the start
+line, the image-level evaluation split into known and new classes, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pksampler.train.config.load import ConfigError, load_config
+from pksampler.train.engine.checkpoint import load_checkpoint, save_checkpoint
+from pksampler.train.engine.continuation import imprint_rows, match_classes
+from pksampler.train.modeling.sharded_head import ShardedMarginHead
+from pksampler.train.run_setup import assemble, train
+from pksampler.train.runtime.distributed import Backend
+from tiny_runs import TINY, grown_folders
+
+HEADED = [*TINY, "head.name=arcface", "data.name=folder", "data.args={}", "data.split_by=name", "data.heldout_images=1",
+          "train.checkpoint_every=0"]
+
+
+class Ranks:
+    """What the head needs of the collectives, for one rank of ``size`` simulated in one process."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    return grown_folders(tmp_path)
+
+
+def config(tmp_path: Path, root: Path, name: str, *extra: str):
+    return load_config(None, [*HEADED, f"data.root={root}", f"workspace={tmp_path / name}", *extra], environ={})
+
+
+def test_classes_match_by_name_not_by_code():
+    match = match_classes(["b", "a", "gone", "c"], ["a", "new", "c", "b"])
+    assert match.saved_of.tolist() == [1, -1, 3, 0]
+    assert (match.kept, match.added, match.dropped) == (3, 1, 1)
+    assert match_classes([], ["a"]).saved_of.tolist() == [-1]
+
+
+@pytest.mark.parametrize("subcentres", [1, 2])
+def test_imprinted_rows_are_the_same_at_every_world_size(subcentres):
+    classes, dim = 11, 6
+    generator = torch.Generator().manual_seed(0)
+    features = torch.randn(60, dim, generator=generator)
+    labels = np.random.default_rng(0).integers(0, classes, 60)
+    labels[labels == 4] = 5  # class 4 has no training image: it keeps its initial row
+    new = np.array([1, 4, 6, 7, 10])
+
+    def rows_at(world: int) -> torch.Tensor:
+        parts = []
+        for rank in range(world):
+            head = ShardedMarginHead(classes, dim, Ranks(rank, world), subcentres=subcentres, scale=10.0)
+            initial = head.rows.clone()
+            local = torch.from_numpy(new[(new >= head.lo) & (new < head.hi)] - head.lo)
+            seen = []
+            done = imprint_rows(head, lambda block: seen.append(block.size) or features[block], labels, local,
+                                length=0.5)
+            assert max(seen, default=0) <= 1024 and done[1] == int(np.isin(labels, head.lo + local.numpy()).sum())
+            untouched = np.setdiff1d(np.arange(head.hi - head.lo), local.numpy()[local.numpy() + head.lo != 4])
+            assert torch.equal(head.rows[untouched], initial[untouched])
+            parts.append(head.rows)
+        return torch.cat(parts)
+
+    one = rows_at(1)
+    for world in (2, 3, 5):
+        assert torch.allclose(rows_at(world), one, atol=1e-6, rtol=0)
+    for c in (1, 6, 7, 10):  # length 0.5 along the normalised mean of the normalised features
+        mean = F.normalize(F.normalize(features[torch.from_numpy(labels == c)], dim=1).mean(dim=0), dim=0)
+        for k in range(subcentres):
+            assert torch.allclose(one[c, k], 0.5 * mean, atol=1e-6)
+
+
+def test_a_continued_run_keeps_rows_by_name_imprints_new_ones_and_says_so(tmp_path, capsys):
+    week1, week2 = folders(tmp_path)
+    train(config(tmp_path, week1, "w1"), Backend())
+    saved = load_checkpoint(tmp_path / "w1" / "checkpoints" / "last.pt")
+    names = saved["classes"]["names"]
+    assert names == [f"product_{c:05d}" for c in range(24)]
+    capsys.readouterr()
+    run = assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'w1' / 'checkpoints' / 'last.pt'}"),
+                   Backend())
+    try:
+        line = [text for text in capsys.readouterr().out.splitlines() if "init_from" in text]
+        assert len(line) == 1 and "classes kept 22, added 8" in line[0] and "dropped 2" in line[0]
+        assert "optimizer state and row momentum reset" in line[0]
+        parts = run.trainer.parts
+        for key, value in saved["model"].items():
+            assert torch.equal(parts.model.state_dict()[key], value)
+        head, today = parts.loss_fn.head, [f"product_{c:05d}" for c in range(2, 32)]
+        for code, name in enumerate(today):
+            if name in names:  # kept: the saved row of the same name, whatever its code was
+                assert torch.equal(head.rows[code], saved["loss"]["head"]["rows"][names.index(name)])
+        assert not parts.loss_fn.row_optimizer.buffer.any()  # momentum reset
+        data_train = parts.train_set
+        trained = {names[c] for c in saved["classes"]["trained"].tolist()}
+        known = torch.tensor([name in trained for name in today])  # kept rows that were positives in week 1
+        assert 0 < int(known.sum()) < 22
+        length = head.rows[known].double().norm(dim=2).mean().float()
+        trained_new = [c for c in range(22, 30) if (data_train.labels == c).any()]
+        assert trained_new
+        for code in trained_new:
+            assert torch.allclose(head.rows[code].norm(), length, rtol=1e-5)
+    finally:
+        run.close()
+
+
+def test_the_continued_run_evaluates_at_step_0_known_and_new_apart(tmp_path):
+    week1, week2 = folders(tmp_path)
+    train(config(tmp_path, week1, "w1", "train.epochs=1"), Backend())
+    start = tmp_path / "w1" / "checkpoints" / "last.pt"
+    train(config(tmp_path, week2, "w2", f"train.init_from={start}", "train.epochs=1", "train.tensorboard=true"),
+          Backend())
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "w2" / "tensorboard"), size_guidance={"scalars": 0})
+    board.Reload()
+    for tag in ("eval/image_known_recall_at_1", "eval/image_new_recall_at_1", "eval/image_recall_at_1"):
+        steps = [event.step for event in board.Scalars(tag)]
+        assert len(steps) == 2 and steps[0] == 0 < steps[1]
+    evals = [r for r in map(json.loads, (tmp_path / "w2" / "metrics.jsonl").read_text().splitlines())
+             if r["type"] == "eval"]
+    assert [r["global_step"] for r in evals][0] == 0 and len(evals) == 2
+    for record in evals:
+        assert record["image_known_num_queries"] + record["image_new_num_queries"] == record["image_num_queries"]
+        assert record["image_known_num_queries"] > 0 and record["image_new_num_queries"] > 0
+        assert 0.0 <= record["image_known_recall_at_1"] <= 1.0 and "recall_at_1" in record
+    # a resume of the continued run does not continue it again
+    resumed = train(config(tmp_path, week2, "w2", f"train.init_from={start}", "train.epochs=2"), Backend())
+    assert resumed.epochs_done == 2
+
+
+def test_init_from_refuses_a_checkpoint_without_class_names(tmp_path):
+    week1, week2 = folders(tmp_path)
+    train(config(tmp_path, week1, "w1", "train.max_steps=0"), Backend())
+    state = load_checkpoint(tmp_path / "w1" / "checkpoints" / "last.pt")
+    del state["classes"]
+    save_checkpoint(tmp_path / "old.pt", state)
+    with pytest.raises(ConfigError, match=r"^train\.init_from: .*old\.pt records no class names") as caught:
+        train(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'old.pt'}"), Backend())
+    assert "\n" not in str(caught.value)
+    with pytest.raises(ConfigError, match=r"^train\.init_from: .*model does not fit this run's model"):
+        train(config(tmp_path, week2, "w3", f"train.init_from={tmp_path / 'w1' / 'checkpoints' / 'last.pt'}",
+                     "model.embedding_dim=24"), Backend())
+    with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint not found"):
+        train(config(tmp_path, week2, "w4", f"train.init_from={tmp_path / 'missing.pt'}"), Backend())

@@ -1,0 +1,254 @@
+"""Continue a previous run's model on today's label set (``train.init_from``): kept by name, new rows imprinted.
+
+A catalogue grows between runs, so a new run starts from last week's weights
+on this week's classes (not a resume: the schedule, the optimizer and the loop
+start afresh). Classes are matched by *name* (folder name, list-file label,
+shard label name, ``<dataset>/<class>`` when several sets are joined), never by
+code, since codes follow the sorted names and shift as classes come and go:
+
+* the model (backbone, projection, neck) and the head's BNNeck are loaded as
+  they are; the pair loss's state is not (a cross-batch memory holds old codes);
+* a kept class's head row is the saved row of its name;
+* a new training class's row is imprinted (Qi et al. 2018, "Low-Shot Learning
+  with Imprinted Weights"): the normalised mean of its training images'
+  normalised embeddings, the model in eval mode (the embedding retrieval
+  reads), scaled to the mean length of the kept rows the saved run trained, so it learns at their rate
+  (an SGD step turns a row by about lr/‖w‖²). Each rank embeds the images of
+  the new classes in its own row range and sums them in float64 in blocks: no
+  rank holds more than one block of embeddings, and the rows are the same at
+  every world size (up to float summation order). ``train.init_rows: random``
+  leaves the new rows at the head's initial draw instead (a comparison arm);
+  a new class without training images (a held-out class) keeps that draw too;
+* classes the saved run had and today's set lacks are dropped.
+
+The rows' momentum and the dense optimizer's state are reset, not carried:
+the new run restarts its schedule at the warm-up, and momentum built on the
+old class set's loss would push the kept rows along last week's gradient
+while the new rows start from rest.
+
+Every rank maps the checkpoint file (``torch.load(mmap=True)``) and reads only
+its own rows: the file must be readable on every host (a shared file system,
+or a copy per host).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from pksampler.datasets import LabelledSubset
+from pksampler.train.engine.checkpoint import CheckpointError, check_training_checkpoint, load_checkpoint
+from pksampler.train.errors import ConfigError
+from pksampler.train.evaluation.heldout import embed_rows
+from pksampler.train.losses.headed import HeadedLoss
+from pksampler.train.modeling.sharded_head import INIT_STD, ShardedMarginHead
+
+__all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes"]
+
+#: training images embedded per block while imprinting (bounds a rank's memory at BLOCK × D floats)
+IMPRINT_BLOCK = 1024
+
+
+def class_record(names: Sequence[str], train_labels: np.ndarray) -> dict[str, Any]:
+    """What a checkpoint records of its classes: every name by code, and the codes it trained on."""
+    return {"names": [str(name) for name in names],
+            "trained": torch.from_numpy(np.unique(np.asarray(train_labels)).astype(np.int64))}
+
+
+@dataclass(frozen=True)
+class ClassMatch:
+    """Today's classes against a saved run's, by name."""
+
+    #: per class code today: its code in the saved run, -1 for a class the saved run did not have
+    saved_of: np.ndarray
+    #: saved classes that today's set lacks
+    dropped: int
+
+    @property
+    def kept(self) -> int:
+        return int(np.count_nonzero(self.saved_of >= 0))
+
+    @property
+    def added(self) -> int:
+        return int(np.count_nonzero(self.saved_of < 0))
+
+
+def match_classes(saved_names: Sequence[str], names: Sequence[str]) -> ClassMatch:
+    """Match ``names`` (today's, by code) to ``saved_names`` by string; vectorised (a sort and a search)."""
+    saved = np.asarray([str(n) for n in saved_names], dtype=object).astype(str)
+    today = np.asarray([str(n) for n in names], dtype=object).astype(str)
+    if not saved.size:
+        return ClassMatch(np.full(today.size, -1, dtype=np.int64), 0)
+    order = np.argsort(saved, kind="stable")
+    position = np.minimum(np.searchsorted(saved[order], today), saved.size - 1)
+    found = saved[order][position] == today
+    saved_of = np.where(found, order[position], -1).astype(np.int64)
+    return ClassMatch(saved_of, int(saved.size - np.unique(saved_of[found]).size))
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What :func:`continue_from` did, for the start-up line and the known/new evaluation."""
+
+    path: str
+    match: ClassMatch | None  # None: the run has no head (only the model was taken)
+    imprinted: int  # rows imprinted (all ranks)
+    images: int  # training images embedded for them (all ranks)
+    rows: str  # train.init_rows
+    #: per class code today: whether the saved run trained on it (the image-level evaluation's "known")
+    known: np.ndarray
+    #: training classes of the saved run that are held-out classes today
+    now_held_out: int
+
+    def line(self) -> str:
+        """The one start-up line: kept, added, dropped, how the new rows began, what was reset and why."""
+        if self.match is None:
+            classes = "no head in this run: the model alone"
+        else:
+            how = (f"{self.imprinted:,} imprinted from {self.images:,} images" if self.rows == "imprint"
+                   else "random rows")
+            classes = (f"classes kept {self.match.kept:,}, added {self.match.added:,} ({how}), "
+                       f"dropped {self.match.dropped:,}")
+        leak = (f"; {self.now_held_out:,} classes it trained on are held out now (their class-disjoint metrics "
+                "overstate: data.split_by: name keeps each class on its side)" if self.now_held_out else "")
+        return (f"[pksampler] init_from {self.path}: {classes}; optimizer state and row momentum reset (a new run "
+                f"restarts its schedule at the warm-up){leak}")
+
+
+def _read(path: str) -> dict[str, Any]:
+    """The checkpoint, mapped; refused in one line naming ``train.init_from`` when it cannot be continued."""
+    try:
+        state = load_checkpoint(path, mmap=True)
+        check_training_checkpoint(state, path)
+    except CheckpointError as error:
+        raise ConfigError(f"train.init_from: {error}") from None
+    record = state.get("classes")
+    if not isinstance(record, dict) or not isinstance(record.get("names"), list):
+        raise ConfigError(f"train.init_from: {path} records no class names (written before checkpoints kept them); "
+                          "classes are matched by name, never by code: continue from a newer checkpoint")
+    return state
+
+
+def _load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
+    try:
+        model.load_state_dict(saved)
+    except RuntimeError as error:
+        reason = " ".join(str(error).split())[:240]
+        raise ConfigError(f"train.init_from: {path}: its model does not fit this run's model.* keys ({reason}); "
+                          "continue with the architecture it was trained with") from None
+
+
+def _load_kept_rows(head: ShardedMarginHead, saved_head: dict[str, Any] | None, saved_of: np.ndarray,
+                    path: str) -> torch.Tensor:
+    """Copy this rank's kept rows from the saved head; the local indices of the new rows."""
+    local = saved_of[head.lo:head.hi]
+    kept = np.flatnonzero(local >= 0)
+    if saved_head is not None and kept.size:
+        rows = saved_head["rows"]
+        if tuple(rows.shape[1:]) != (head.subcentres, head.dim):
+            raise ConfigError(f"train.init_from: {path}: its head rows are {tuple(rows.shape[1:])} (subcentres, "
+                              f"dimension), this run's ({head.subcentres}, {head.dim}): head.subcentres and "
+                              "model.embedding_dim must match")
+        head.rows[torch.from_numpy(kept)] = rows[torch.from_numpy(local[kept])].to(head.rows)
+    elif saved_head is None:
+        kept = np.zeros(0, dtype=np.int64)
+    return torch.from_numpy(np.setdiff1d(np.arange(local.size), kept))
+
+
+def _mean_length(head: ShardedMarginHead, known: np.ndarray, backend: Any) -> float:
+    """The mean length of the kept rows the saved run trained (``known``: per class code) over every rank, in
+    float64; the initial rows' when there is none (a held-out class's row never was a positive: not counted)."""
+    mine = torch.from_numpy(np.flatnonzero(known[head.lo:head.hi])).to(head.rows.device)
+    norms = head.rows[mine].double().norm(dim=2).flatten()
+    total = torch.stack([norms.sum(), torch.tensor(float(norms.numel()), dtype=torch.float64)])
+    if backend.size > 1:
+        total = backend.allreduce_sum(total.to(head.rows.device)).cpu()
+    return float(total[0] / total[1]) if total[1] > 0 else INIT_STD * head.dim ** 0.5
+
+
+def imprint_rows(head: ShardedMarginHead, embed: Callable[[np.ndarray], torch.Tensor], labels: np.ndarray,
+                 new_local: torch.Tensor, *, length: float) -> tuple[int, int]:
+    """Imprint this rank's new rows ``new_local`` (local indices) from the training items of their classes.
+
+    ``labels``: the training items' class codes; ``embed(positions)``: the embeddings of those training items
+    (eval mode), at most :data:`IMPRINT_BLOCK` at once. A row becomes ``length`` × the normalised mean of its
+    items' normalised embeddings, every subcentre alike. Returns (rows imprinted, images embedded) on this rank.
+    """
+    labels = np.asarray(labels)
+    new_classes = head.lo + new_local.numpy()
+    items = np.flatnonzero(np.isin(labels, new_classes))
+    sums = torch.zeros(head.hi - head.lo, head.dim, dtype=torch.float64)
+    for start in range(0, items.size, IMPRINT_BLOCK):
+        block = items[start:start + IMPRINT_BLOCK]
+        features = F.normalize(embed(block).double().cpu(), dim=1)
+        sums.index_add_(0, torch.from_numpy(labels[block] - head.lo), features)
+    imprinted = new_local[sums[new_local].norm(dim=1) > 0]  # classes with training images
+    if imprinted.numel():
+        means = F.normalize(sums[imprinted], dim=1) * length
+        head.rows[imprinted.to(head.rows.device)] = means[:, None, :].to(head.rows).expand(-1, head.subcentres, -1)
+    return int(imprinted.numel()), int(items.size)
+
+
+def _raise(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
+def _take_saved(path: str, model: torch.nn.Module, loss_fn: Any, names: Sequence[str]):
+    """This rank's local part (no collective): the checkpoint read, the model and neck loaded, the kept rows
+    copied. Returns the class record, the match, this rank's new rows (local indices; None without a head) and
+    whether the checkpoint has a head."""
+    state = _read(path)
+    record = state["classes"]
+    _load_model(model, state["model"], path)
+    match = match_classes(record["names"], names)
+    if not isinstance(loss_fn, HeadedLoss):
+        return record, match, None, False
+    saved_loss = state["loss"]
+    if loss_fn.neck is not None and "neck" in saved_loss:
+        loss_fn.neck.load_state_dict(saved_loss["neck"])
+    saved_head = saved_loss.get("head")
+    return record, match, _load_kept_rows(loss_fn.head, saved_head, match.saved_of, path), saved_head is not None
+
+
+def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Sequence[str], train_labels: np.ndarray,
+                  test_labels: np.ndarray, plain_train: LabelledSubset, view: Any, backend: Any,
+                  rows: str = "imprint", agree: Callable[[Exception | None], None] = _raise) -> Continuation:
+    """Start this run from checkpoint ``path`` (every rank calls it; see the module docstring).
+
+    ``names``: today's class names by code; ``plain_train``: the training items without augmentation (the
+    evaluation's transform) and ``view`` its device view, for imprinting. ``agree(error)``: a rank's failure to
+    read or fit the checkpoint raised on every rank (the run mode's ``raise_together``) before any collective.
+    """
+    error = taken = None
+    try:
+        taken = _take_saved(path, model, loss_fn, names)
+    except ConfigError as caught:
+        error = caught
+    agree(error)
+    record, match, new_local, saved_has_head = taken
+    saved_trained = np.asarray(record.get("trained", torch.zeros(0, dtype=torch.int64))).astype(np.int64)
+    known = np.isin(match.saved_of, saved_trained) & (match.saved_of >= 0)
+    now_held_out = int(np.count_nonzero(known[np.unique(np.asarray(test_labels, dtype=np.int64))]))
+    if new_local is None:
+        return Continuation(path, None, 0, 0, rows, known, now_held_out)
+    imprinted = images = 0
+    if rows == "imprint":
+        head = loss_fn.head
+        length = _mean_length(head, known if saved_has_head else np.zeros_like(known), backend)
+
+        def embed(block: np.ndarray) -> torch.Tensor:
+            out = embed_rows(model, plain_train, block, backend, 128, 0, view)
+            return loss_fn.neck(out) if loss_fn.neck is not None else out  # the block's statistics: no running ones
+
+        with torch.no_grad():
+            counts = np.array(imprint_rows(head, embed, np.asarray(train_labels), new_local, length=length),
+                              dtype=np.int64)
+        if backend.size > 1:
+            counts = backend.allgather_numpy(counts).sum(axis=0)
+        imprinted, images = (int(v) for v in counts)
+    return Continuation(path, match, imprinted, images, rows, known, now_held_out)
