@@ -71,7 +71,7 @@ from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import choose_run_mode
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
-from pksampler.train.engine.global_neck import GlobalNeck
+from pksampler.train.engine.global_neck import GlobalNeck, per_rank_norms
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.solver.sparse_rows import SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState, replay_history
@@ -186,6 +186,26 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
         row_optimizers=row_optimizers, shared=shared, clip_grad_norm=config.optim.clip_grad_norm, neck=neck,
     )
+
+
+def world_size_note(config: RunConfig, parts: StepParts) -> str | None:
+    """The start-up line for a run whose config trains another model at another world size, or None.
+
+    Per-rank statistics do that: BatchNorm in the backbone trained from scratch
+    (``model.norm: batch``), and any loss or neck that sees only its rank's rows
+    (``train.gather_embeddings: false``). docs/trainer.md lists what is invariant.
+    """
+    reasons = []
+    layers = per_rank_norms(parts.model, apart=_neck_module(parts))
+    if layers:
+        reasons.append(f"{len(layers)} BatchNorm layer(s) normalise each rank's own images ({layers[0]}, ...: "
+                       f"model.norm={config.model.norm!r}; model.freeze_norm: true or model.norm: group is invariant)")
+    if not config.train.gather_embeddings:
+        reasons.append("train.gather_embeddings: false (the loss sees each rank's rows, not the global batch)")
+    if not reasons:
+        return None
+    return ("[pksampler] note: this config trains a different model at each world size: " + "; ".join(reasons)
+            + " (docs/trainer.md, 'The same model at any world size')")
 
 
 def _neck_module(parts: StepParts) -> torch.nn.Module | None:
@@ -454,6 +474,9 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
           + (f" head={config.head.name} classes={parts.loss_fn.head.num_classes} rows/rank={parts.loss_fn.head.rows.shape[0]}"
              if isinstance(parts.loss_fn, HeadedLoss) else "")
           + (f" resumed at epoch {state.epoch} step {state.consumed}" if resumed else ""), flush=True)
+    note = world_size_note(config, parts)
+    if note:
+        print(note, flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "
               "pass --no-resume (or another WORKSPACE) to train again", flush=True)

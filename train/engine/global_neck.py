@@ -24,9 +24,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
 from pksampler.train.modeling.model import NeckedEmbedding, global_neck
 
-__all__ = ["GlobalNeck"]
+__all__ = ["GlobalNeck", "per_rank_norms"]
 
 
 class GlobalNeck:
@@ -64,3 +65,15 @@ class GlobalNeck:
             raise ValueError(f"model.neck: 'batch' normalises over the global batch and needs at least 2 "
                              f"embeddings, got {embeddings.shape[0]}")
         return self.finish(embeddings)
+
+
+def per_rank_norms(model: nn.Module, *, apart: nn.Module | None = None) -> list[str]:
+    """Names of ``model``'s BatchNorm layers that normalise each rank's own batch in training, ``apart`` aside.
+
+    Frozen BatchNorm (a pretrained backbone's default) keeps its statistics and
+    SyncBatchNorm combines every rank's: neither is named. What remains makes
+    the model depend on the world size (docs/trainer.md).
+    """
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.modules.batchnorm._BatchNorm) and module is not apart
+            and not isinstance(module, (nn.SyncBatchNorm, FrozenBatchNorm2d))]

@@ -339,3 +339,16 @@ def test_the_clip_reads_the_gradients_a_step_applies_not_a_frozen_groups():
     optimizer.param_groups[1]["lr"] = 0.1  # thawed: both count
     clip_gradients(optimizer, 5.0)
     assert float(torch.cat([head.grad, trunk.grad]).norm()) == pytest.approx(5.0, rel=1e-5)
+
+
+def test_a_config_that_is_not_world_size_invariant_says_so_once_at_start(tmp_path, capsys):
+    # The batch neck on the gathered batch and group norm: invariant, no note; BatchNorm in the trunk from
+    # scratch, or the loss on each rank's rows: one line naming the layer or the key.
+    train(tiny(tmp_path, "train.max_steps=1", "model.neck=batch", name="neck"), Backend())
+    assert "note: this config trains a different model" not in capsys.readouterr().out
+    train(tiny(tmp_path, "train.max_steps=1", "model.norm=batch", "train.gather_embeddings=false", name="bn"),
+          Backend())
+    notes = [line for line in capsys.readouterr().out.splitlines() if "note: this config trains" in line]
+    assert len(notes) == 1, notes
+    assert "BatchNorm layer(s) normalise each rank's own images (stem.1, ...: model.norm='batch'" in notes[0]
+    assert "train.gather_embeddings: false" in notes[0] and "docs/trainer.md" in notes[0]
