@@ -343,12 +343,15 @@ def test_the_clip_reads_the_gradients_a_step_applies_not_a_frozen_groups():
 
 def test_a_config_that_is_not_world_size_invariant_says_so_once_at_start(tmp_path, capsys):
     # The batch neck on the gathered batch and group norm: invariant, no note; BatchNorm in the trunk from
-    # scratch, or the loss on each rank's rows: one line naming the layer or the key.
+    # scratch (the line docs/trainer.md shows), or the loss on each rank's rows: one line naming the layer or key.
     train(tiny(tmp_path, "train.max_steps=1", "model.neck=batch", name="neck"), Backend())
     assert "note: this config trains a different model" not in capsys.readouterr().out
-    train(tiny(tmp_path, "train.max_steps=1", "model.norm=batch", "train.gather_embeddings=false", name="bn"),
-          Backend())
-    notes = [line for line in capsys.readouterr().out.splitlines() if "note: this config trains" in line]
-    assert len(notes) == 1, notes
-    assert "BatchNorm layer(s) normalise each rank's own images (stem.1, ...: model.norm='batch'" in notes[0]
-    assert "train.gather_embeddings: false" in notes[0] and "docs/trainer.md" in notes[0]
+    notes = []
+    for extra, name in (("model.norm=batch", "bn"), ("train.gather_embeddings=false", "local")):
+        train(tiny(tmp_path, "train.max_steps=1", extra, name=name), Backend())
+        lines = [line for line in capsys.readouterr().out.splitlines() if "note: this config trains" in line]
+        assert len(lines) == 1, lines
+        notes.append(lines[0])
+    documented = (ROOT / "docs" / "trainer.md").read_text()  # the demo network there: 12 layers, here 6
+    assert notes[0].replace("6 BatchNorm layer(s)", "12 BatchNorm layer(s)") in documented
+    assert "train.gather_embeddings: false (the loss sees each rank's rows" in notes[1]
