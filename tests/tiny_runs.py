@@ -15,3 +15,15 @@ TINY = [
     "train.epochs=2", "train.eval_every=2", "train.checkpoint_every=0", "train.gallery_queries=3",
     "train.tensorboard=false",
 ]
+
+
+def folder_keys() -> list[str]:
+    """configs/folder.yaml's model, loss and head blocks as ``--set`` overrides (its recipe on other data)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    tree = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "folder.yaml").read_text())
+    return [f"{block}.{key}={json.dumps(value)}" for block in ("model", "loss", "head")
+            for key, value in tree[block].items()]

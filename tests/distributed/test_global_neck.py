@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import yaml
 from launch import ROOT, launch
+from tiny_runs import folder_keys
 
 pytestmark = pytest.mark.horovod
 RUNNER = ROOT / "tests" / "distributed" / "trace_runs.py"
@@ -31,13 +31,6 @@ STEPS = 12
 COMMON = ["optim.name=sgd", f"train.max_steps={STEPS}", "train.eval_every=100", "train.checkpoint_every=0",
           "train.tensorboard=false", "data.workers=0", "data.image_size=32",
           "data.args={num_classes: 160, images_per_class: 16, image_size: 32}"]
-
-
-def folder_keys() -> list[str]:
-    """configs/folder.yaml's model, loss and head blocks as ``--set`` overrides."""
-    tree = yaml.safe_load((ROOT / "configs" / "folder.yaml").read_text())
-    return [f"{block}.{key}={json.dumps(value)}" for block in ("model", "loss", "head")
-            for key, value in tree[block].items()]
 
 
 RUNS = {"folder": folder_keys(), "folder_chunked": [*folder_keys(), "train.chunk_size=16"],
@@ -97,15 +90,20 @@ def test_the_neck_statistics_are_the_global_batch_ones_and_the_config_is_invaria
     assert int(one["neck.num_batches_tracked"]) == STEPS and float(one["neck.running_mean"].abs().max()) > 1e-3
     for world in (2, 3):
         other = neck(world)
-        assert max(float((other[k].float() - one[k].float()).abs().max()) for k in one) < 1e-4, world
+        assert all(float((other[k].float() - one[k].float()).abs().max()) < 5e-4 * float(one[k].float().abs().max())
+                   for k in one), world  # as close as the traces: the statistics of the same batches
     for world, (_, output) in traces.items():
         assert "note: this config trains a different model" not in output, world
 
 
 def test_the_head_with_its_defaults_trains_the_same_model_at_one_two_and_three_ranks(traces):
+    # Its BNNeck makes the training itself sensitive: in one process, scaling the starting weights by
+    # (1 + 1e-7 N(0, 1)) moves this trace by 2.7e-3 at step 12 (docs/sharded-head.md, "BNNeck: the traces
+    # drift"), as far as another world size's summation order does; a wrong gradient scale of the neck shows
+    # at step 2 (1e-3), a rank's missing rows at step 1.
     reference = _losses(traces[1][0] / "head")
     assert reference.size == STEPS and np.ptp(reference) > 1e-2
     for world in (2, 3):
         assert "head=arcface" in traces[world][1]
         drift = _relative(_losses(traces[world][0] / "head"), reference)
-        assert drift.max() < 5e-4, (world, drift)
+        assert drift[:6].max() < 5e-4 and drift.max() < 2e-2, (world, drift)
