@@ -142,7 +142,7 @@ class ModelConfig:
     # auto: the backbone's own (BatchNorm for the ResNets, group norm for the demo network, LayerNorm inside a ViT)
     norm: str = _rule("auto", rules.choice(lambda: _registry("norm")))
     pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
-    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch (global batch) | layer, before L2
     # the projection from the pooled feature to the embedding has a bias; null: none when head.name is set
     # (a bias is a component every embedding shares, which a classification head can collapse them onto)
     projection_bias: bool | None = _rule(None, rules.optional(rules.boolean))

@@ -1,6 +1,6 @@
 """BatchNorm running statistics averaged over the ranks after each epoch.
 
-A BatchNorm layer in train mode (``model.neck: batch``, ``model.norm: batch``)
+A BatchNorm layer in train mode inside the forward pass (``model.norm: batch``)
 normalises each rank's own batch and keeps running statistics of it, so the
 ranks' running statistics drift apart: torch's DDP copies rank 0's to every
 rank at each forward, Horovod copies nothing. Evaluation embeds the held-out
@@ -9,6 +9,8 @@ rank 0's. :class:`NormStatisticsHook` replaces every rank's running mean and
 variance by their mean over the ranks after each epoch (timm's
 ``distribute_bn(reduce=True)``), before the epoch's checkpoint and
 evaluation, so both read statistics of the whole world's batches, the same on
+every rank. The neck on the gathered batch
+(:mod:`.global_neck`) is left out: its statistics already are the same on
 every rank.
 
 Each rank's statistics are checked before they are averaged: one rank's NaN
@@ -31,29 +33,31 @@ from pksampler.world import World
 __all__ = ["NormStatisticsHook", "running_statistics"]
 
 
-def _named_statistics(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+def _named_statistics(model: nn.Module, apart: nn.Module | None = None) -> list[tuple[str, torch.Tensor]]:
     return [(f"{name}.{kind}" if name else kind, getattr(module, kind)) for name, module in model.named_modules()
             if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None
+            and module is not apart
             for kind in ("running_mean", "running_var")]
 
 
-def running_statistics(model: nn.Module) -> list[torch.Tensor]:
-    """The running mean and variance of every BatchNorm layer of ``model`` that keeps them."""
-    return [buffer for _, buffer in _named_statistics(model)]
+def running_statistics(model: nn.Module, *, apart: nn.Module | None = None) -> list[torch.Tensor]:
+    """The running mean and variance of every BatchNorm layer of ``model`` that keeps them, but ``apart``."""
+    return [buffer for _, buffer in _named_statistics(model, apart)]
 
 
 class NormStatisticsHook(HookBase):
     """After each epoch, every rank's BatchNorm running statistics become their mean over the ranks.
 
-    ``world`` gives the live rank and size (the backend's), for the per-rank finiteness slots.
+    ``world`` gives the live rank and size (the backend's), for the per-rank finiteness slots; ``apart`` is a
+    layer left out (the neck on the gathered batch, whose statistics agree already).
     """
 
     def __init__(self, model: nn.Module, allreduce_mean: Callable[[torch.Tensor], Any],
-                 world: Callable[[], World]) -> None:
-        self.model, self.allreduce_mean, self.world = model, allreduce_mean, world
+                 world: Callable[[], World], *, apart: nn.Module | None = None) -> None:
+        self.model, self.allreduce_mean, self.world, self.apart = model, allreduce_mean, world, apart
 
     def after_epoch(self) -> None:
-        names, buffers = zip(*_named_statistics(self.model))
+        names, buffers = zip(*_named_statistics(self.model, self.apart))
         world = self.world()
         with torch.no_grad():  # one all-reduce for every layer's statistics and the ranks' slots
             flat = torch.cat([buffer.detach().flatten().float() for buffer in buffers])
