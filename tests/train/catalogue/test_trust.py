@@ -331,3 +331,45 @@ def test_build_index_refuses_an_out_holding_the_index_of_another_model(tmp_path,
     _one_line(capsys, r"^error: --out: .*index holds the index of another model \(digest dddddddddddd, this "
                       r"catalogue's ffffffffffff\); a new model means a new index: use another --out, or delete it")
     assert (tmp_path / "index" / "index.faiss").read_bytes() == before
+
+
+# the embed job's lock file: a killed job's is taken over, a planted one is refused and never written through
+
+
+def _plant(out, kind, victim):
+    lock = out / parts_module.JOB_LOCK
+    if kind == "symbolic link":
+        os.symlink(victim, lock)
+    elif kind == "FIFO":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["symbolic link", "FIFO", "folder"])
+def test_a_lock_file_planted_as_a_link_fifo_or_folder_is_refused_in_one_line(tmp_path, capsys, kind):
+    """Before: a link was followed and the file it named was truncated and overwritten with the job's line; a FIFO
+    or a folder was a line naming neither --out nor the lock ('File or stream is not seekable', '[Errno 21]')."""
+    checkpoint = make_checkpoint(tmp_path / "a.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=2)
+    out, victim = tmp_path / "catalogue", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious\n")
+    _plant(out, kind, victim)
+    argv = ["--checkpoint", str(checkpoint), "--data", str(data), "--out", str(out), "--part-size", "4",
+            "--workers", "0"]
+    assert cli.embed_main(argv) == 2
+    _one_line(capsys, rf"^error: --out: .*\.embed\.lock is a {kind}, not a regular file: it cannot be used as a "
+                      r"lock file; remove it$")
+    assert victim.read_text() == "precious\n" and not (out / "manifest.json").exists()
+
+
+def test_a_lock_file_left_by_a_killed_job_does_not_stop_the_next_one(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "a.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=2)
+    out = tmp_path / "catalogue"
+    out.mkdir()
+    (out / parts_module.JOB_LOCK).write_text("model 0123456789ab, pid 999999 on a-host-that-died\n")  # no flock
+    manifest = embed_catalogue(checkpoint, str(data), out, Backend(), options=EmbedOptions(part_size=3, workers=0))
+    assert manifest["count"] == 4
+    assert (out / parts_module.JOB_LOCK).read_text().startswith(f"model {manifest['model']['digest'][:12]}, pid ")
