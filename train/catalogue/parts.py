@@ -338,6 +338,10 @@ def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
                               f"{str(record.get('model_digest'))[:12]}, the manifest's {digest[:12]}); embed the "
                               "catalogue again into a folder of its own")
         _check_values(out, entry, manifest["plan"], *_checked_part(out, entry, dim, mmap=True))
+        if not isinstance(record.get("sha256"), dict):
+            raise ConfigError(f"{record_path}: records no SHA-256 of the part's arrays (written by an older version, "
+                              "or edited), so its bytes cannot be checked; embed the catalogue again (train/"
+                              "embed_catalogue.py does the parts whose records lack it)")
         changed = _changed_array(out, entry["part"], record)
         if changed is not None:
             raise ConfigError(f"{changed}: its bytes are not the ones {record_path.name} records (SHA-256): "

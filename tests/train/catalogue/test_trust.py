@@ -162,7 +162,7 @@ PART_DAMAGE = {
     "ids linked to another part": (lambda c: _link_to_part_0(c, "ids"), r"part-00001\.npy: ids must rise strictly"),
     "another model's vectors of the same shape": (_another_models_vectors, _CHANGED.format(folder="embeddings")),
     "a record without the digests": (lambda c: _edit_part(c, 1, record=lambda r: r.pop("sha256")),
-                                     _CHANGED.format(folder="embeddings")),
+                                     r"part-00001\.json: records no SHA-256 of the part's arrays"),
     "a part left out of the manifest": (lambda c: _edit_manifest(c, _leave_out_part_1),
                                         r"manifest\.json: parts must list each of the plan's 3 parts \(30 ids in parts "
                                         r"of 10\) once, in order: part 1 is missing"),
