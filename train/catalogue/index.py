@@ -430,5 +430,24 @@ def load_index(folder: str | Path) -> Searcher:
         raise ConfigError(f"--index: {path} is not a readable faiss index ({reason}); build the index again") from None
     if metadata.get("nprobe") is not None:
         faiss.extract_index_ivf(index).nprobe = metadata["nprobe"]
-    rerank = PartVectors(metadata["catalogue"]) if metadata["kind"] == "ivfpq" else None
+    rerank = _rerank_vectors(folder, metadata) if metadata["kind"] == "ivfpq" else None
     return Searcher(index, metadata, rerank)
+
+
+def _rerank_vectors(folder: Path, metadata: dict[str, Any]) -> PartVectors:
+    """The catalogue's parts that an ``ivfpq`` index re-ranks with, refused when the folder now holds another
+    embedding (another model, source, size or count): the codes would be re-ranked with vectors of other images."""
+    vectors = PartVectors(metadata["catalogue"])
+    held = vectors.manifest
+
+    def described(model: Any, source: Any, dim: Any, count: Any) -> str:
+        return (f"model {str(model.get('digest'))[:12]}, source {str((source or {}).get('digest'))[:12]}, "
+                f"{count} vectors of dim {dim}")
+
+    now = described(held["model"], held.get("source"), held["dim"], held["count"])
+    then = described(metadata["model"], metadata["source"], metadata["dim"], metadata["count"])
+    if now != then:
+        raise ConfigError(f"--index: {folder / METADATA_FILE}: the catalogue {metadata['catalogue']} it re-ranks "
+                          f"with now holds {now}, the index was built from {then}; build the index again from the "
+                          "catalogue as it is")
+    return vectors

@@ -369,7 +369,7 @@ class PartVectors:
 
     def __init__(self, catalogue: str | Path) -> None:
         self.catalogue = Path(catalogue)
-        manifest = read_manifest(self.catalogue)
+        self.manifest = manifest = read_manifest(self.catalogue)
         self.part_size, self.dim = int(manifest["plan"]["part_size"]), int(manifest["dim"])
         self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

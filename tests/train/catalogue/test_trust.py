@@ -422,3 +422,20 @@ def test_a_part_damaged_after_embedding_is_embedded_again_by_the_rerun_the_refus
     assert np.array_equal(np.load(path), good)
     assert (out / "embeddings" / "part-00000.npy").stat().st_mtime_ns == kept  # the sound part was skipped
     assert cli.build_index_main([str(out), "--out", str(tmp_path / "index")]) == 0
+
+
+def test_an_ivfpq_index_refuses_a_catalogue_embedded_again_by_another_model_under_it(tmp_path):
+    """Before: its exact re-rank read the new model's vectors for the old ids and returned other images (a
+    catalogue vector's own id at rank 1: 1.0 before, 0.0 after) without a word."""
+    vectors = clustered(600, 8, classes=6)
+    catalogue = fake_catalogue(tmp_path / "cat", vectors, part_size=200)
+    build_index(catalogue, tmp_path / "index", options=IndexOptions(kind="ivfpq", queries=50, pq_bytes=2))
+    _, found = index_module.load_index(tmp_path / "index").search(vectors[:20], 1)
+    assert (found[:, 0] == np.arange(20)).all()
+    shutil.rmtree(catalogue)
+    fake_catalogue(catalogue, clustered(600, 8, classes=6, seed=7), part_size=200)
+    _edit_manifest(catalogue, lambda m: m["model"].update(digest="f" * 64))
+    with pytest.raises(ConfigError, match=r"^--index: .*index\.json: the catalogue .*/cat it re-ranks with now holds "
+                                          r"model ffffffffffff, .* the index was built from model dddddddddddd, .*; "
+                                          r"build the index again"):
+        index_module.load_index(tmp_path / "index")
