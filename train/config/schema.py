@@ -237,7 +237,7 @@ class OptimConfig:
     name: str = _rule("adamw", rules.choice(lambda: _registry("optimizer")))
     lr: float = _rule(0.004, rules.positive_finite)
     base_batch: int = _rule(64, rules.positive_int)
-    weight_decay: float = _rule(0.0005, rules.non_negative_finite)  # sgd, adamw: x the peak rate below 1
+    weight_decay: float = _rule(0.0005, rules.non_negative_finite)  # sgd, adamw: x the peak rate below 1; below float32's largest
     momentum: float = _rule(0.9, rules.right_open_interval(0.0, 1.0))  # SGD, LARS; below 1 (1 never forgets)
     warmup_steps: int = _rule(30, rules.int_at_least(0))
     # the warm-up as a share of the run's steps (Goyal et al.: 5 of 90 epochs); set, it replaces warmup_steps

@@ -16,7 +16,9 @@ every rank.
 Each rank's statistics are checked before they are averaged: one rank's NaN
 (a batch of non-finite activations) would otherwise become every rank's. The
 check rides in the same all-reduce (a slot per rank) and stops every rank with
-:class:`~.trainer.TrainingDiverged` naming the rank and the statistic.
+:class:`~.trainer.TrainingDiverged` naming the rank and the statistic. The
+mean is checked too: finite statistics near float32's largest value sum to
+infinity, and that mean would become every rank's.
 """
 
 from __future__ import annotations
@@ -73,5 +75,12 @@ class NormStatisticsHook(HookBase):
                     f"values at the end of the epoch ({sum(map(bool, found))} of {world.size} ranks); nothing was "
                     "averaged or written: a batch of non-finite activations reached it on that rank (check that "
                     "rank's data, or fp16 overflow: train.precision)")
-            for buffer, part in zip(buffers, mean[:flat.numel()].split([buffer.numel() for buffer in buffers])):
+            parts = mean[:flat.numel()].split([buffer.numel() for buffer in buffers])
+            overflowed = next((i for i, part in enumerate(parts) if not torch.isfinite(part).all()), None)
+            if overflowed is not None:  # the same mean on every rank: every rank stops here
+                raise TrainingDiverged(
+                    f"BatchNorm running statistic {names[overflowed]} is finite on every rank but its mean over the "
+                    f"{world.size} ranks is not (the sum overflowed float32); nothing was averaged or written: "
+                    "activations near float32's largest value reached it (lower optim.lr, or check the data's scale)")
+            for buffer, part in zip(buffers, parts):
                 buffer.copy_(part.view_as(buffer))

@@ -72,3 +72,23 @@ def test_one_ranks_non_finite_statistics_stop_every_rank_naming_it_before_they_a
     assert message.startswith(f"rank 1's BatchNorm running statistic {name} holds NaN or infinite values at the end "
                               f"of the epoch (1 of {world} ranks); nothing was averaged"), message
     assert "optim.lr" not in message and "that rank's data" in message
+
+
+def test_finite_statistics_whose_sum_overflows_stop_every_rank_instead_of_becoming_infinite():
+    """Before: each rank's running variance was finite (3e38), their all-reduced sum was inf, and every rank's
+    statistics became inf without a stop (evaluation and the checkpoint then read them)."""
+    def work(collectives):
+        model = _model("batch").train()
+        model(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(collectives.rank)))
+        name, buffer = next((n, b) for n, b in model.named_buffers() if n.endswith("running_var"))
+        buffer[2] = 3e38
+        own = [b.clone() for b in running_statistics(model)]
+        with pytest.raises(TrainingDiverged) as stop:
+            hook(model, collectives).after_epoch()
+        return str(stop.value), name, all(torch.equal(a, b) for a, b in zip(own, running_statistics(model)))
+
+    results = run_ranks(2, work)
+    message, name, _ = results[0]
+    assert all(result == (message, name, True) for result in results), results
+    assert message.startswith(f"BatchNorm running statistic {name} is finite on every rank but its mean over the 2 "
+                              "ranks is not"), message
