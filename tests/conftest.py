@@ -39,12 +39,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _end_the_tests_launches():
     """End every launch a test started and left running (a failed assertion between start and finish): the next
-    test starts on a quiet machine. Launches of module- and session-scoped fixtures started before it and stay."""
+    test starts on a quiet machine. Launches of module- and session-scoped fixtures started before it and stay,
+    and so does a session's server that a test restarted (``spawn(outlives_test=True)``)."""
     import launch
 
-    before = {process.pid for process in launch.live_launches()}
+    before = {process.pid for process in launch.test_launches()}
     yield
-    for process in launch.live_launches():
+    for process in launch.test_launches():
         if process.pid not in before:
             launch.end_launch(process)
 

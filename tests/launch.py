@@ -45,6 +45,7 @@ SESSION = f"{os.environ.get(TAG, 'pytest')}/{os.getpid()}.{time.monotonic_ns()}"
 #: the launches this session started, by kind (horovodrun, torchrun, accelerate, lightning, s3 server, ...)
 LAUNCHES: collections.Counter[str] = collections.Counter()
 _live: dict[int, tuple[subprocess.Popen, str]] = {}
+_lasting: set[int] = set()  # pids of launches that outlive the test that started them
 _guard: subprocess.Popen | None = None
 
 #: the guard: a process of its own that waits for the end of pytest (its stdin closes, however pytest ended) and
@@ -94,10 +95,12 @@ def tagged(tag: str) -> list[psutil.Process]:
     return found
 
 
-def spawn(command: list[str], *, kind: str, **popen: Any) -> subprocess.Popen:
+def spawn(command: list[str], *, kind: str, outlives_test: bool = False, **popen: Any) -> subprocess.Popen:
     """Start ``command`` in a session of its own, counted under ``kind`` and tagged for :func:`end_launch`.
 
-    ``popen`` goes to :class:`subprocess.Popen` (``env`` is the whole environment; the tag is added to it).
+    ``outlives_test``: a server that a session-scoped fixture owns, restarted inside a test; its owner ends it
+    (and the guard, when pytest ends), not the end of that test. ``popen`` goes to :class:`subprocess.Popen`
+    (``env`` is the whole environment; the tag is added to it).
     """
     _start_guard()
     LAUNCHES[kind] += 1
@@ -105,12 +108,15 @@ def spawn(command: list[str], *, kind: str, **popen: Any) -> subprocess.Popen:
     env = {**(popen.pop("env", None) or os.environ), TAG: tag}
     process = subprocess.Popen(command, env=env, start_new_session=True, **popen)
     _live[process.pid] = (process, tag)
+    if outlives_test:
+        _lasting.add(process.pid)
     return process
 
 
 def end_launch(process: subprocess.Popen) -> None:
     """SIGKILL a spawned launch and every process under it, wherever it was re-parented (a no-op once it is gone)."""
     _, tag = _live.pop(process.pid, (process, None))
+    _lasting.discard(process.pid)
     members = tagged(tag) if tag else []
     for _ in range(10):  # a launcher may start a worker while its siblings die
         if not members:
@@ -132,9 +138,9 @@ def tag_of(process: subprocess.Popen) -> str:
     return _live[process.pid][1]
 
 
-def live_launches() -> list[subprocess.Popen]:
-    """The spawned launches not yet ended by :func:`end_launch`, oldest first."""
-    return [process for process, _ in _live.values()]
+def test_launches() -> list[subprocess.Popen]:
+    """The spawned launches not yet ended by :func:`end_launch` that end with a test, oldest first."""
+    return [process for pid, (process, _) in _live.items() if pid not in _lasting]
 
 
 @contextmanager

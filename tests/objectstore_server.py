@@ -65,7 +65,7 @@ class SeaweedServer:
                    "-s3.port.lance=0", f"-s3.config={self.folder / 's3.json'}"]
         log = open(self.folder / "weed.log", "ab")
         started = time.monotonic()
-        self.process = spawn(command, kind="s3 server", stdout=log, stderr=subprocess.STDOUT)
+        self.process = spawn(command, kind="s3 server", outlives_test=True, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
@@ -109,9 +109,8 @@ class SeaweedServer:
 
     def kill(self) -> None:
         """SIGKILL the server and its children (an outage)."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        if self.process is not None:
+            end_launch(self.process)
         self.process = None
 
     def stop(self) -> None:
