@@ -13,13 +13,19 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$("$ROOT/scripts/setup.sh" --print-venv)" || exit 1
 "$ROOT/scripts/setup.sh" || exit 1
 cd "$ROOT"
-export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-ci}"
-echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.split()[0])') in $VENV" >&2
+# CI's profile (tests/conftest.py) for the whole suite; the edit loop's tier runs the lighter `dev` one.
+profile=ci
 if [[ "${1:-}" == "--fast" ]]; then
     shift
     set -- -m "not launcher" "$@"
+    profile=dev
 fi
-"$VENV/bin/python" -m pytest "$@"
+export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-$profile}"
+echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.split()[0])') in $VENV," \
+     "hypothesis profile $HYPOTHESIS_PROFILE" >&2
+# --durations=25: the slowest tests, printed at the end of every run, so the suite's cost is a recorded fact;
+# the session's summary also counts the launches (tests/launch.py).
+"$VENV/bin/python" -m pytest --durations=25 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "pytest collected no tests: failing" >&2

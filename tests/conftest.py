@@ -36,6 +36,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.launcher)
 
 
+@pytest.fixture(autouse=True)
+def _end_the_tests_launches():
+    """End every launch a test started and left running (a failed assertion between start and finish): the next
+    test starts on a quiet machine. Launches of module- and session-scoped fixtures started before it and stay,
+    and so does a session's server that a test restarted (``spawn(outlives_test=True)``)."""
+    import launch
+
+    before = {process.pid for process in launch.test_launches()}
+    yield
+    for process in launch.test_launches():
+        if process.pid not in before:
+            launch.end_launch(process)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of launches (horovodrun, torchrun, the frameworks' launchers, the S3 server) this run started."""
+    launch = sys.modules.get("launch")
+    if launch is not None and launch.LAUNCHES:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(launch.LAUNCHES.items()))
+        terminalreporter.write_line(f"launches: {sum(launch.LAUNCHES.values())} ({kinds})")
+
+
 @pytest.fixture(scope="session")
 def seaweed(tmp_path_factory):
     """A real SeaweedFS S3 server on 127.0.0.1 for the session (tests/objectstore_server.py)."""

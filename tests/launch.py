@@ -4,19 +4,37 @@ Two nodes on one machine: ``horovodrun -H localhost:2,127.0.0.1:2`` (Horovod
 counts two hosts, so local rank and rank differ, and starts both without
 ssh), or several torchrun agents meeting at one c10d rendezvous on 127.0.0.1
 (:func:`start_agent`); the first agent started hosts the rendezvous store.
+
+Every launcher, server or job the tests start goes through :func:`spawn`,
+which counts it (the session's summary prints the count) and tags it and
+everything under it with ``PKSAMPLER_TEST_LAUNCH`` in the environment. The tag
+is what ends them: launchers run in sessions of their own and torchrun starts
+each worker in another, so neither the terminal's Ctrl-C nor a process group
+reaches them all. A launch ends with the test that started it (whatever made
+the test stop: a failure, Ctrl-C, a pytest timeout), and a small guard process
+ends the session's launches when pytest itself ends, SIGTERM and SIGKILL
+included.
+
+A launch is expensive (seconds of start-up per rank): make one serve many
+assertions. :func:`shared_run` turns a run into a module- or session-scoped
+fixture that every test reading its outputs shares.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -24,6 +42,148 @@ LAUNCHERS = ("horovodrun", "torchrun")
 #: torch's older launcher: torchrun's agent, but it passes ``--local-rank=N`` to the script (not in LAUNCHERS: one
 #: test is enough)
 LEGACY = "torch.distributed.launch"
+#: the environment variable that marks a launch and everything under it; a nested session extends its parent's
+TAG = "PKSAMPLER_TEST_LAUNCH"
+SESSION = f"{os.environ.get(TAG, 'pytest')}/{os.getpid()}.{time.monotonic_ns()}"
+#: the launches this session started, by kind (horovodrun, torchrun, accelerate, lightning, s3 server, ...)
+LAUNCHES: collections.Counter[str] = collections.Counter()
+_live: dict[int, tuple[subprocess.Popen, str]] = {}
+_lasting: set[int] = set()  # pids of launches that outlive the test that started them
+_guard: subprocess.Popen | None = None
+
+#: the guard: a process of its own that waits for the end of pytest (its stdin closes, however pytest ended) and
+#: then ends every process still carrying one of the session's tags
+_GUARD = """
+import sys, psutil
+sys.stdin.buffer.read()
+prefix = sys.argv[1] + "/"
+for _ in range(20):
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("PKSAMPLER_TEST_LAUNCH", "").startswith(prefix):
+                found.append(p)
+        except psutil.Error:
+            pass
+    if not found:
+        break
+    for p in found:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(found, timeout=2)
+"""
+
+
+def _start_guard() -> None:
+    global _guard
+    if _guard is None or _guard.poll() is not None:
+        # stdin is a pipe only this process holds open (Popen closes it in every child): EOF means pytest is gone
+        _guard = subprocess.Popen([sys.executable, "-c", _GUARD, SESSION], stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                  env={k: v for k, v in os.environ.items() if k != TAG})
+
+
+def tagged(tag: str) -> list[psutil.Process]:
+    """The processes that carry ``tag`` or a tag nested under it (a launch's whole tree, re-parented or not)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            value = process.environ().get(TAG, "")
+        except psutil.Error:  # gone, a zombie, or another user's
+            continue
+        if value == tag or value.startswith(tag + "/"):
+            found.append(process)
+    return found
+
+
+def spawn(command: list[str], *, kind: str, outlives_test: bool = False, **popen: Any) -> subprocess.Popen:
+    """Start ``command`` in a session of its own, counted under ``kind`` and tagged for :func:`end_launch`.
+
+    ``outlives_test``: a server that a session-scoped fixture owns, restarted inside a test; its owner ends it
+    (and the guard, when pytest ends), not the end of that test. ``popen`` goes to :class:`subprocess.Popen`
+    (``env`` is the whole environment; the tag is added to it).
+    """
+    _start_guard()
+    LAUNCHES[kind] += 1
+    tag = f"{SESSION}/{sum(LAUNCHES.values())}"
+    env = {**(popen.pop("env", None) or os.environ), TAG: tag}
+    process = subprocess.Popen(command, env=env, start_new_session=True, **popen)
+    _live[process.pid] = (process, tag)
+    if outlives_test:
+        _lasting.add(process.pid)
+    return process
+
+
+def end_launch(process: subprocess.Popen) -> None:
+    """SIGKILL a spawned launch and every process under it, wherever it was re-parented (a no-op once it is gone)."""
+    _, tag = _live.pop(process.pid, (process, None))
+    _lasting.discard(process.pid)
+    members = tagged(tag) if tag else []
+    for _ in range(10):  # a launcher may start a worker while its siblings die
+        if not members:
+            break
+        for member in members:
+            try:
+                member.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(members, timeout=2)
+        members = tagged(tag) if tag else []
+    if process.poll() is None:
+        process.kill()
+    process.wait()
+
+
+def tag_of(process: subprocess.Popen) -> str:
+    """The tag :func:`spawn` gave ``process``, which every process started under it carries too."""
+    return _live[process.pid][1]
+
+
+def test_launches() -> list[subprocess.Popen]:
+    """The spawned launches not yet ended by :func:`end_launch` that end with a test, oldest first."""
+    return [process for pid, (process, _) in _live.items() if pid not in _lasting]
+
+
+@contextmanager
+def launched(command: list[str], *, kind: str, **popen: Any) -> Iterator[subprocess.Popen]:
+    """:func:`spawn` for the length of a ``with`` block; leaving it in any way ends the launch's whole tree."""
+    process = spawn(command, kind=kind, **popen)
+    try:
+        yield process
+    finally:
+        end_launch(process)
+
+
+T = TypeVar("T")
+
+
+def shared_run(scope: str = "module") -> Callable[[Callable[[Path], T]], Any]:
+    """Turn ``make(folder)``, which launches a job and returns what the tests read, into a fixture run once per
+    ``scope`` in a folder of its own; every test that names the fixture shares the one launch and its outputs.
+
+    A launch costs seconds of start-up per rank; one run's workspace, metrics.jsonl and output can serve every
+    assertion that reads them (pytest's session-scoped fixture pattern; Horovod's CI runs a whole test file under
+    one ``horovodrun``). Keep a launch of its own only for a scenario that needs one (a node lost, a host joining)::
+
+        @shared_run()
+        def trained(folder: Path) -> subprocess.CompletedProcess[str]:
+            return launch("horovodrun", SCRIPT, "--set", f"workspace={folder}")
+
+        def test_it_trains(trained):
+            assert trained.returncode == 0, trained.stdout[-4000:]
+
+    The fixture takes the function's name. Tests assert on the result (its return code included), so a failed run
+    fails each of them with the run's output rather than with a set-up error.
+    """
+    def fixture(make: Callable[[Path], T]) -> Any:
+        @pytest.fixture(scope=scope, name=make.__name__)
+        def once(tmp_path_factory: pytest.TempPathFactory) -> T:
+            return make(tmp_path_factory.mktemp(make.__name__))
+        once.__doc__ = make.__doc__
+        return once
+    return fixture
 
 
 def free_port() -> int:
@@ -54,15 +214,21 @@ def launch(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: 
            env: dict[str, str] | None = None, hosts: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run the script on ``np`` ranks; stdout and stderr merged. A timeout kills the whole launcher."""
     command = launch_command(launcher, script, *args, np=np, hosts=hosts)
-    full_env = _environment(env)
-    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
-        output, _ = process.communicate()
-        raise AssertionError(f"{launcher} {script} timed out after {timeout}s:\n{output[-4000:]}") from None
+    return run_launcher(command, kind=launcher, timeout=timeout, env=_environment(env))
+
+
+def run_launcher(command: list[str], *, kind: str, timeout: float, env: dict[str, str] | None = None,
+                 cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run a launcher to its end, stdout and stderr merged; past ``timeout``, or on any exit of the test while it
+    runs, its whole tree is killed (a timeout fails the test with the output)."""
+    with launched(command, kind=kind, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                  text=True) as process:
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            end_launch(process)
+            output, _ = process.communicate()
+            raise AssertionError(f"{command} timed out after {timeout}s:\n{output[-4000:]}") from None
     return subprocess.CompletedProcess(command, process.returncode, output, "")
 
 
@@ -94,9 +260,10 @@ def agent_command(script: str | Path, *args: str, nnodes: str, nproc: int, endpo
 
 def start_agent(command: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a launcher in its own session, stdout and stderr to ``log`` (read it while it runs)."""
+    kind = "torchrun" if "torch.distributed.run" in command else Path(command[0]).name
     with open(log, "w", encoding="utf-8") as stream:
-        return subprocess.Popen(command, cwd=ROOT, env=_environment(env), stdout=stream, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+        return spawn(command, kind=kind, cwd=ROOT, env=_environment(env), stdout=stream, stderr=subprocess.STDOUT,
+                     text=True)
 
 
 def wait_for_port(port: int, process: subprocess.Popen, *, timeout: float = 120.0) -> None:
@@ -116,6 +283,9 @@ def kill_agent(process: subprocess.Popen) -> None:
     torchrun starts each worker in a session of its own, so killing the
     agent's process group would leave its workers running.
     """
+    if process.pid in _live:
+        end_launch(process)
+        return
     try:
         tree = [*psutil.Process(process.pid).children(recursive=True), psutil.Process(process.pid)]
     except psutil.NoSuchProcess:

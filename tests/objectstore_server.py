@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launch import end_launch, spawn
+
 ACCESS_KEY, SECRET_KEY = "pksampler-test", "pksampler-test-secret-0123456789"
 #: the object a signed round trip writes and reads back before the server counts as started
 READY_BUCKET, READY_KEY = "pksampler-test", "readiness/probe"
@@ -63,7 +65,7 @@ class SeaweedServer:
                    "-s3.port.lance=0", f"-s3.config={self.folder / 's3.json'}"]
         log = open(self.folder / "weed.log", "ab")
         started = time.monotonic()
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = spawn(command, kind="s3 server", outlives_test=True, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         while time.monotonic() - started < timeout:
             if self.process.poll() is not None:
@@ -107,9 +109,8 @@ class SeaweedServer:
 
     def kill(self) -> None:
         """SIGKILL the server and its children (an outage)."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        if self.process is not None:
+            end_launch(self.process)
         self.process = None
 
     def stop(self) -> None:
@@ -118,6 +119,7 @@ class SeaweedServer:
             try:
                 self.process.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=20)
+                pass
+        if self.process is not None:
+            end_launch(self.process)  # whatever the SIGTERM left
         self.process = None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
-from launch import HOROVODRUN, ROOT, finish_agent, kill_agent, start_agent
+from launch import HOROVODRUN, ROOT, end_launch, finish_agent, kill_agent, run_launcher, spawn, start_agent
 
 pytestmark = pytest.mark.horovod
 
@@ -75,8 +75,8 @@ def run_elastic(tmp_path: Path, *, hosts: str, then: str | Callable[[Path], str]
                               max_np=max_np)
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
                 "PKSAMPLER_TEST_RECORD": str(records), **(env or {})}
-    process = subprocess.Popen(command, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+    process = spawn(command, kind="horovodrun", cwd=ROOT, env=full_env, stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT, text=True)
     deadline, changed_at = time.monotonic() + timeout, float("nan")
     try:
         while process.poll() is None and time.monotonic() < deadline:
@@ -87,7 +87,7 @@ def run_elastic(tmp_path: Path, *, hosts: str, then: str | Callable[[Path], str]
             time.sleep(0.5)
         output, _ = process.communicate(timeout=max(deadline - time.monotonic(), 1.0))
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, 9)
+        end_launch(process)
         output, _ = process.communicate()
         raise AssertionError(f"elastic run timed out after {timeout}s:\n{output[-6000:]}") from None
     return ElasticRun(process.returncode, output, changed_at, time.time(), workspace, records)
@@ -361,8 +361,8 @@ def test_the_sharded_head_survives_a_host_leaving_and_a_resume_on_every_rank(tmp
     trained = check_exactly_the_plan(run, 8, HEAD_SETTINGS)
     assert (trained[1]["size"], trained[8]["size"]) == (4, 2), {s: t["size"] for s, t in trained.items()}
     command = elastic_command(tmp_path / "discover.sh", run.workspace, HEAD_SETTINGS, np=2, min_np=2, max_np=2)
-    resumed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"})
-    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    resumed = run_launcher(command, kind="horovodrun", timeout=300,
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"})
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "resumed at epoch 0 step 8" in resumed.stdout, resumed.stdout[-3000:]
     _check_head_run_against_one_process(tmp_path, run.workspace)

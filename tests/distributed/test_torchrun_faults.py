@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from launch import ROOT, launch, launch_command
+from launch import ROOT, end_launch, launch, launch_command, run_launcher, spawn
 
 pytestmark = pytest.mark.horovod
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
@@ -55,8 +54,8 @@ def test_ranks_exit_when_the_torchrun_launcher_is_killed(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PKSAMPLER_TEST_PIDS": str(pids)}
-    agent = subprocess.Popen(launch_command("torchrun", HOOKED, "--config", str(config)), cwd=ROOT, env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    agent = spawn(launch_command("torchrun", HOOKED, "--config", str(config)), kind="torchrun", cwd=ROOT, env=env,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
         while len(list(pids.glob("*.pid"))) < 2 and time.monotonic() < deadline and agent.poll() is None:
@@ -70,11 +69,7 @@ def test_ranks_exit_when_the_torchrun_launcher_is_killed(tmp_path):
             time.sleep(1)
         assert not any(alive(pid) for pid in ranks), "ranks still training after their launcher died"
     finally:
-        for pid in [agent.pid, *(int(p.read_text()) for p in pids.glob("*.pid"))]:
-            try:
-                os.kill(pid, signal.SIGKILL)  # the ranks run in sessions of their own
-            except ProcessLookupError:
-                pass
+        end_launch(agent)  # the ranks too: they run in sessions of their own
 
 
 def test_a_relaunch_never_reads_the_previous_launchs_process_group_keys():
@@ -86,9 +81,9 @@ def test_a_relaunch_never_reads_the_previous_launchs_process_group_keys():
     command = launch_command("torchrun", script)
     command[command.index("--nproc_per_node"):command.index("--nproc_per_node")] = ["--max-restarts", "1"]
     env = {k: v for k, v in os.environ.items() if k != "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}  # as a user runs it
-    done = subprocess.run(command, cwd=ROOT, env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
-                          capture_output=True, text=True, timeout=240, start_new_session=True)
-    output = done.stdout + done.stderr
+    done = run_launcher(command, kind="torchrun", env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+                        timeout=240)
+    output = done.stdout
     assert done.returncode == 0, output[-4000:]
     # two ranks share the pipe: under PYTHONUNBUFFERED a line and its newline are separate writes, so find them
     assert sorted(re.findall(r"\[restart-test\] attempt 1 rank \d+ sum \d+", output)) == [
@@ -106,13 +101,13 @@ def test_torchrun_sets_up_with_the_agents_store_shared_or_not(share, tmp_path):
            "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "torchrun.log"
     with log.open("w") as sink:  # a file, not a pipe: a rank outliving the launcher cannot hold the test open
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True,
-                                   start_new_session=True)
+        process = spawn(command, kind="torchrun", cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True)
     try:
         process.wait(timeout=180)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)  # the launcher (its ranks exit when it is gone)
-        process.wait()
+        pass
+    finally:
+        end_launch(process)  # a hung launcher and its ranks
     output = log.read_text(errors="replace")
     if process.returncode is None or process.returncode < 0:
         pytest.fail(f"torchrun (TORCH_DISABLE_SHARE_RDZV_TCP_STORE={share}) hung for 180 s:\n{output[-4000:]}")

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from launch import LAUNCHERS, ROOT, launch, rank_tracebacks
+from launch import LAUNCHERS, ROOT, launch, rank_tracebacks, shared_run
 
 pytestmark = pytest.mark.horovod
 SCRIPT = ROOT / "train" / "retrieval.py"
@@ -53,12 +55,33 @@ def backend_of(launcher: str) -> str:
     return {"horovodrun": "horovod", "torchrun": "torch"}[launcher]
 
 
+@shared_run()
+def resumable(folder: Path) -> dict[str, dict]:
+    """Under each launcher, 2 epochs of 8 steps with a checkpoint every 4: the whole run, and the same run stopped
+    after 5 steps (mid-epoch) and resumed to the end; under horovodrun, a copy of the stopped run resumed at one
+    rank. Seven launches serve the artifact, resume and world-size tests."""
+    runs: dict[str, dict] = {}
+    for launcher in LAUNCHERS:
+        base = folder / launcher
+        base.mkdir()
+        config = write_config(base, "whole")
+        run = runs[launcher] = {"whole": launch(launcher, SCRIPT, "--config", str(config)), "folder": base}
+        parts = ("--config", str(config), "--set", f"workspace={base / 'parts'}")
+        run["first"] = launch(launcher, SCRIPT, *parts, "--set", "train.max_steps=5")
+        if run["first"].returncode != 0:
+            continue
+        run["stopped"] = checkpoint(base / "parts")
+        if launcher == "horovodrun":
+            shutil.copytree(base / "parts", base / "one")
+            run["one"] = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={base / 'one'}", np=1)
+        run["second"] = launch(launcher, SCRIPT, *parts, "--resume")
+    return runs
+
+
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_ranks_train_evaluate_and_write_artifacts(tmp_path, launcher):
-    config = write_config(tmp_path, "run")
-    result = launch(launcher, SCRIPT, "--config", str(config))
+def test_two_ranks_train_evaluate_and_write_artifacts(resumable, launcher):
+    result, workspace = resumable[launcher]["whole"], resumable[launcher]["folder"] / "whole"
     assert result.returncode == 0, result.stdout[-4000:]
-    workspace = tmp_path / "run"
     records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if r["type"] == "step"]
     evals = [r for r in records if r["type"] == "eval"]
@@ -73,19 +96,25 @@ def test_two_ranks_train_evaluate_and_write_artifacts(tmp_path, launcher):
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_resumed_run_matches_uninterrupted_run(tmp_path, launcher):
-    # 2 epochs of 8 steps; stop after 5 steps (mid-epoch), resume to the end.
-    whole = write_config(tmp_path, "whole", train__checkpoint_every=0)
-    parts = write_config(tmp_path, "parts", train__checkpoint_every=0)
-    assert launch(launcher, SCRIPT, "--config", str(whole)).returncode == 0
-    first = launch(launcher, SCRIPT, "--config", str(parts), "--set", "train.max_steps=5")
-    assert first.returncode == 0, first.stdout[-4000:]
-    state = checkpoint(tmp_path / "parts")
+def test_resumed_run_matches_uninterrupted_run(resumable, launcher):
+    run = resumable[launcher]
+    assert run["first"].returncode == 0, run["first"].stdout[-4000:]
+    state = run["stopped"]
     assert state["state"]["global_step"] == 5 and state["sampler"]["step"] == 5 and state["state"]["epoch"] == 0
-    second = launch(launcher, SCRIPT, "--config", str(parts), "--resume")
+    assert run["second"].returncode == 0, run["second"].stdout[-4000:]
+    assert "resumed at epoch 0 step 5" in run["second"].stdout
+    assert max_difference(checkpoint(run["folder"] / "whole")["model"],
+                          checkpoint(run["folder"] / "parts")["model"]) == 0.0
+
+
+def test_a_checkpoint_resumes_on_another_world_size_without_edits(resumable):
+    run = resumable["horovodrun"]
+    assert run["first"].returncode == 0, run["first"].stdout[-4000:]
+    second = run["one"]
     assert second.returncode == 0, second.stdout[-4000:]
-    assert "resumed at epoch 0 step 5" in second.stdout
-    assert max_difference(checkpoint(tmp_path / "whole")["model"], checkpoint(tmp_path / "parts")["model"]) == 0.0
+    assert "world=1" in second.stdout and "resumed at epoch 0 step 5" in second.stdout
+    steps_per_epoch = int(second.stdout.split("steps/epoch=")[1].split()[0])
+    assert checkpoint(run["folder"] / "one")["state"]["global_step"] == 2 * steps_per_epoch
 
 
 # SGD: Adam divides by the running gradient scale, so on coordinates whose
@@ -98,43 +127,45 @@ EQUIVALENCE = {"optim": {"name": "sgd", "lr": 0.01, "base_batch": 12, "warmup_st
                "loss": {"name": "multi_similarity", "args": {}}}
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_ranks_train_the_same_model_as_one_process_with_the_same_config(tmp_path, launcher):
-    # The same file at -np 2 and -np 1: the global batch is configured, not the per-rank one.
-    config = write_config(tmp_path, "run", train__max_steps=20, train__epochs=20, train__checkpoint_every=0,
+@shared_run()
+def equivalent(folder: Path) -> dict[str, subprocess.CompletedProcess[str]]:
+    """One config file (20 SGD steps), run at two ranks and at one under each launcher, and once for no step: five
+    launches serve the world-size, backend and "training moved the parameters" comparisons."""
+    config = write_config(folder, "run", train__max_steps=20, train__epochs=20, train__checkpoint_every=0,
                           **EQUIVALENCE)
-    two = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / 'two'}")
-    assert two.returncode == 0, two.stdout[-4000:]
-    single = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / 'one'}", np=1)
-    assert single.returncode == 0, single.stdout[-4000:]
+    runs = {}
+    for launcher in LAUNCHERS:
+        for name, ranks in ((f"{launcher}-two", 2), (f"{launcher}-one", 1)):
+            runs[name] = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={folder / name}",
+                                np=ranks)
+    runs["start"] = launch("horovodrun", SCRIPT, "--config", str(config), "--set", f"workspace={folder / 'start'}",
+                           "--set", "train.max_steps=0", np=1)
+    runs["folder"] = folder
+    return runs
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_ranks_train_the_same_model_as_one_process_with_the_same_config(equivalent, launcher):
+    # The same file at -np 2 and -np 1: the global batch is configured, not the per-rank one.
+    two, single, start = equivalent[f"{launcher}-two"], equivalent[f"{launcher}-one"], equivalent["start"]
+    for result in (two, single, start):
+        assert result.returncode == 0, result.stdout[-4000:]
     assert "world=1" in single.stdout and "global=12" in single.stdout and "batch/rank=6" in two.stdout
-    difference = max_difference(checkpoint(tmp_path / "two")["model"], checkpoint(tmp_path / "one")["model"])
+    folder = equivalent["folder"]
+    difference = max_difference(checkpoint(folder / f"{launcher}-two")["model"],
+                                checkpoint(folder / f"{launcher}-one")["model"])
     assert difference < 1e-4, difference
-    start = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / 'start'}",
-                   "--set", "train.max_steps=0", np=1)
-    assert start.returncode == 0, start.stdout[-4000:]
-    moved = max_difference(checkpoint(tmp_path / "start")["model"], checkpoint(tmp_path / "one")["model"])
+    moved = max_difference(checkpoint(folder / "start")["model"], checkpoint(folder / f"{launcher}-one")["model"])
     assert moved > 100 * difference, (moved, difference)  # training really changed the parameters
 
 
-def test_horovod_and_torch_backends_train_the_same_model(tmp_path):
-    config = write_config(tmp_path, "run", train__max_steps=8, train__checkpoint_every=0, **EQUIVALENCE)
+def test_horovod_and_torch_backends_train_the_same_model(equivalent):
     for launcher in LAUNCHERS:
-        result = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / launcher}")
-        assert result.returncode == 0, result.stdout[-4000:]
-    difference = max_difference(checkpoint(tmp_path / "horovodrun")["model"], checkpoint(tmp_path / "torchrun")["model"])
+        assert equivalent[f"{launcher}-two"].returncode == 0, equivalent[f"{launcher}-two"].stdout[-4000:]
+    folder = equivalent["folder"]
+    difference = max_difference(checkpoint(folder / "horovodrun-two")["model"],
+                                checkpoint(folder / "torchrun-two")["model"])
     assert difference < 1e-4, difference
-
-
-def test_a_checkpoint_resumes_on_another_world_size_without_edits(tmp_path):
-    config = write_config(tmp_path, "run", train__checkpoint_every=0)
-    first = launch("horovodrun", SCRIPT, "--config", str(config), "--set", "train.max_steps=5")
-    assert first.returncode == 0, first.stdout[-4000:]
-    second = launch("horovodrun", SCRIPT, "--config", str(config), np=1)
-    assert second.returncode == 0, second.stdout[-4000:]
-    assert "world=1" in second.stdout and "resumed at epoch 0 step 5" in second.stdout
-    steps_per_epoch = int(second.stdout.split("steps/epoch=")[1].split()[0])
-    assert checkpoint(tmp_path / "run")["state"]["global_step"] == 2 * steps_per_epoch
 
 
 def test_triplet_sampler_with_hard_negatives_trains_on_two_ranks(tmp_path):
@@ -258,7 +289,6 @@ def test_cross_batch_memory_is_the_same_at_one_and_two_ranks(tmp_path):
 
 
 def test_training_from_packed_shards_matches_the_image_folder(tmp_path):
-    import subprocess
     import sys
 
     from pksampler.datasets import SyntheticProducts

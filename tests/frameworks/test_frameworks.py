@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launch import free_port, kill_agent
+from launch import free_port, run_launcher
 
 from framework_runs import STEPS, WORLD, check_epoch, reference_plan
 
@@ -29,16 +28,9 @@ for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE")
 
 
 def run(command: list[str], *, timeout: float = 300.0, env: dict[str, str] | None = None) -> str:
-    """Run a launcher in its own session; past ``timeout`` kill the session and fail with its output."""
-    process = subprocess.Popen(command, cwd=HERE, env={**ENV, **(env or {})}, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        kill_agent(process)  # the whole tree: torchrun starts its workers in sessions of their own
-        output, _ = process.communicate()
-        raise AssertionError(f"{command} timed out after {timeout}s:\n{output[-4000:]}") from None
-    return output
+    """Run a launcher in its own session; past ``timeout`` kill its whole tree and fail with its output."""
+    kind = {"accelerate.commands.launch": "accelerate", "torch.distributed.run": "torchrun"}.get(command[2], "lightning")
+    return run_launcher(command, kind=kind, timeout=timeout, env={**ENV, **(env or {})}, cwd=HERE).stdout
 
 
 def records(out: Path, prefix: str, output: str) -> list[dict]:
