@@ -139,7 +139,8 @@ def main() -> None:
     week1 = args.workspace / "week1_images"
     known, training = week1_folder(full, week1, fraction=args.fraction, test_fraction=0.3)
     print(f"week 1: {known} of {training} training classes", flush=True)
-    common = ["data.split_by=name", "data.heldout_images=1", "data.test_fraction=0.3", "train.eval_every=1",
+    # the head the rows are imprinted into: folder.yaml's light ArcFace head, which the file leaves off
+    common = ["head.name=arcface", "data.split_by=name", "data.heldout_images=1", "data.test_fraction=0.3", "train.eval_every=1",
               "train.tensorboard=false", *args.overrides]
 
     def command(arm: str, root: Path, steps: int, extra: list[str]) -> list[str]:

@@ -26,9 +26,11 @@ pytestmark = pytest.mark.horovod
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
 SCRIPT = ROOT / "train" / "retrieval.py"
 STEPS = 6
-#: the default data (configs/demo.yaml) with configs/folder.yaml's model, loss and head (the BatchNorm neck on the
-#: gathered batch, the sharded head), a few steps, a checkpoint mid-run (written in the background)
-ARGS = (*(argument for key in folder_keys() for argument in ("--set", key)), "--set", f"train.max_steps={STEPS}",
+#: the default data (configs/demo.yaml) with configs/folder.yaml's model, loss and head keys and the head it offers
+#: turned on (the BatchNorm neck on the gathered batch, the sharded head), a few steps, a checkpoint mid-run
+#: (written in the background)
+ARGS = (*(argument for key in folder_keys() for argument in ("--set", key)), "--set", "head.name=arcface",
+        "--set", f"train.max_steps={STEPS}",
         "--set", "train.checkpoint_every=3", "--set", "train.deterministic=true")
 
 
