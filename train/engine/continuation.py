@@ -16,7 +16,10 @@ code, since codes follow the sorted names and shift as classes come and go:
   (an SGD step turns a row by about lr/‖w‖²). Each rank embeds the images of
   the new classes in its own row range and sums them in float64 in blocks: no
   rank holds more than one block of embeddings, and the rows are the same at
-  every world size (up to float summation order). ``train.init_rows: random``
+  every world size (up to float summation order). With a BNNeck the images go
+  through the neck under the statistics of a fixed sample of the training
+  images (:func:`neck_statistics`), not a block's own: a block may hold one
+  class, or one image, and differs with the world size. ``train.init_rows: random``
   leaves the new rows at the head's initial draw instead (a comparison arm);
   a new class without training images (a held-out class) keeps that draw too;
 * classes the saved run had and today's set lacks are dropped.
@@ -47,7 +50,8 @@ from pksampler.train.evaluation.heldout import embed_rows
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.modeling.sharded_head import INIT_STD, ShardedMarginHead
 
-__all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes"]
+__all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes",
+           "neck_statistics"]
 
 #: training images embedded per block while imprinting (bounds a rank's memory at BLOCK × D floats)
 IMPRINT_BLOCK = 1024
@@ -193,6 +197,46 @@ def imprint_rows(head: ShardedMarginHead, embed: Callable[[np.ndarray], torch.Te
     return int(imprinted.numel()), int(items.size)
 
 
+def neck_statistics(embed: Callable[[np.ndarray], torch.Tensor], count: int, dim: int, backend: Any,
+                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-feature mean and biased variance (float64) of the ``dim``-wide embeddings of a fixed sample of the
+    ``count`` training items: at most :data:`IMPRINT_BLOCK`, evenly spaced, split over the ranks and summed.
+
+    The BNNeck normalises a training step's global batch of many classes; a rank's block of new images may hold
+    one class, or one image, so imprinting normalises under these statistics instead: the same on every rank and
+    at every world size (up to float summation order). ``device``: where the collective sums."""
+    sample = np.unique(np.linspace(0, count - 1, min(count, IMPRINT_BLOCK)).round().astype(np.int64))
+    mine = sample[backend.rank::backend.size]
+    sums = torch.zeros(3, dim, dtype=torch.float64)
+    if mine.size:
+        features = embed(mine).double().cpu()
+        sums[0], sums[1], sums[2] = features.sum(0), (features * features).sum(0), float(mine.size)
+    if backend.size > 1:
+        sums = backend.allreduce_sum(sums.to(device)).cpu()
+    mean = sums[0] / sums[2]
+    return mean, (sums[1] / sums[2] - mean * mean).clamp_min(0.0)
+
+
+def _imprint(model: torch.nn.Module, loss_fn: HeadedLoss, plain_train: LabelledSubset, view: Any, backend: Any,
+             train_labels: np.ndarray, new_local: torch.Tensor, length: float) -> tuple[int, int]:
+    """Imprint the new rows of every rank (through the neck under :func:`neck_statistics` where there is one);
+    (rows imprinted, images embedded) over all ranks."""
+    def embedded(block: np.ndarray) -> torch.Tensor:
+        return embed_rows(model, plain_train, block, backend, 128, 0, view)
+
+    with torch.no_grad():
+        stats = (neck_statistics(embedded, len(train_labels), loss_fn.head.dim, backend, loss_fn.head.rows.device)
+                 if loss_fn.neck is not None and len(train_labels) else None)
+
+        def embed(block: np.ndarray) -> torch.Tensor:
+            return embedded(block) if stats is None else loss_fn.neck.fixed(embedded(block), *stats)
+
+        counts = np.array(imprint_rows(loss_fn.head, embed, train_labels, new_local, length=length), dtype=np.int64)
+    if backend.size > 1:
+        counts = backend.allgather_numpy(counts).sum(axis=0)
+    return int(counts[0]), int(counts[1])
+
+
 def _raise(error: Exception | None) -> None:
     if error is not None:
         raise error
@@ -238,17 +282,7 @@ def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Seq
         return Continuation(path, None, 0, 0, rows, known, now_held_out)
     imprinted = images = 0
     if rows == "imprint":
-        head = loss_fn.head
-        length = _mean_length(head, known if saved_has_head else np.zeros_like(known), backend)
-
-        def embed(block: np.ndarray) -> torch.Tensor:
-            out = embed_rows(model, plain_train, block, backend, 128, 0, view)
-            return loss_fn.neck(out) if loss_fn.neck is not None else out  # the block's statistics: no running ones
-
-        with torch.no_grad():
-            counts = np.array(imprint_rows(head, embed, np.asarray(train_labels), new_local, length=length),
-                              dtype=np.int64)
-        if backend.size > 1:
-            counts = backend.allgather_numpy(counts).sum(axis=0)
-        imprinted, images = (int(v) for v in counts)
+        length = _mean_length(loss_fn.head, known if saved_has_head else np.zeros_like(known), backend)
+        imprinted, images = _imprint(model, loss_fn, plain_train, view, backend, np.asarray(train_labels), new_local,
+                                     length)
     return Continuation(path, match, imprinted, images, rows, known, now_held_out)

@@ -4,6 +4,9 @@ line, the image-level evaluation split into known and new classes, and the refus
 from __future__ import annotations
 
 import json
+import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +16,7 @@ from torch.nn import functional as F
 
 from pksampler.train.config.load import ConfigError, load_config
 from pksampler.train.engine.checkpoint import load_checkpoint, save_checkpoint
-from pksampler.train.engine.continuation import imprint_rows, match_classes
+from pksampler.train.engine.continuation import IMPRINT_BLOCK, imprint_rows, match_classes, neck_statistics
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 from pksampler.train.run_setup import assemble, train
 from pksampler.train.runtime.distributed import Backend
@@ -157,3 +160,81 @@ def test_init_from_refuses_a_checkpoint_without_class_names(tmp_path):
                      "model.embedding_dim=24"), Backend())
     with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint not found"):
         train(config(tmp_path, week2, "w4", f"train.init_from={tmp_path / 'missing.pt'}"), Backend())
+
+
+class ThreadRanks:
+    """``size`` ranks as threads of one process: allreduce_sum sums every rank's tensor (a barrier each side)."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.parts, self.barrier = size, [None] * size, threading.Barrier(size)
+
+    def rank_view(self, rank: int):
+        outer = self
+
+        class View:
+            def __init__(self) -> None:
+                self.rank, self.size = rank, outer.size
+
+            def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+                outer.parts[rank] = tensor.clone()
+                outer.barrier.wait()
+                total = torch.stack(outer.parts).sum(0)
+                outer.barrier.wait()
+                return total
+
+        return View()
+
+
+def test_the_neck_statistics_of_imprinting_are_the_same_at_every_world_size():
+    from concurrent.futures import ThreadPoolExecutor
+
+
+    features = torch.randn(3000, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3 + 1
+    seen: list[int] = []
+
+    def at(world: int):
+        ranks = ThreadRanks(world)
+
+        def one(rank: int):
+            return neck_statistics(lambda block: seen.append(block.size) or features[block], len(features), 5,
+                                   ranks.rank_view(rank))
+
+        with ThreadPoolExecutor(world) as pool:
+            results = list(pool.map(one, range(world)))
+        for mean, var in results[1:]:
+            assert torch.equal(mean, results[0][0]) and torch.equal(var, results[0][1])
+        return results[0]
+
+    mean, var = at(1)
+    assert seen == [IMPRINT_BLOCK]  # a fixed sample, not the whole training set
+    sample = features[np.unique(np.linspace(0, 2999, IMPRINT_BLOCK).round().astype(np.int64))]
+    assert torch.allclose(mean, sample.mean(0)) and torch.allclose(var, sample.var(0, unbiased=False))
+    for world in (2, 3, 7):
+        other = at(world)
+        assert torch.allclose(other[0], mean, atol=1e-12) and torch.allclose(other[1], var, atol=1e-12)
+
+
+def test_a_new_class_with_one_training_image_is_imprinted_through_the_bnneck(tmp_path, capsys):
+    """The neck normalised each block of new images with the block's own statistics: one image failed, one class
+    gave a row of noise, and the rows depended on the world size."""
+    week1, week2 = folders(tmp_path)
+    train(config(tmp_path, week1, "w1", "train.max_steps=1"), Backend())
+    week3 = tmp_path / "week3"
+    shutil.copytree(week1, week3)
+    new = sorted(p for p in week2.iterdir() if not (week1 / p.name).exists())[0]
+    (week3 / new.name).mkdir()
+    for image in sorted(new.iterdir())[:2]:  # data.heldout_images=1 keeps one: one training image
+        (week3 / new.name / image.name).write_bytes(image.read_bytes())
+    capsys.readouterr()
+    run = assemble(config(tmp_path, week3, "w3", f"train.init_from={tmp_path / 'w1' / 'checkpoints' / 'last.pt'}"),
+                   Backend())
+    try:
+        assert "added 1 (1 imprinted from 1 images)" in capsys.readouterr().out
+        parts, code = run.trainer.parts, 24  # the new name sorts last
+        head, neck = parts.loss_fn.head, parts.loss_fn.neck
+        assert neck is not None and (parts.train_set.labels == code).sum() == 1
+        assert torch.isfinite(head.rows[code]).all()
+        length = head.rows[:code].double().norm(dim=2).mean()
+        assert torch.allclose(head.rows[code].double().norm(), length, rtol=0.5)
+    finally:
+        run.close()
