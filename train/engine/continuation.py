@@ -51,16 +51,31 @@ from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.modeling.sharded_head import INIT_STD, ShardedMarginHead
 
 __all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes",
-           "neck_statistics"]
+           "neck_statistics", "recorded_known"]
 
 #: training images embedded per block while imprinting (bounds a rank's memory at BLOCK × D floats)
 IMPRINT_BLOCK = 1024
 
 
-def class_record(names: Sequence[str], train_labels: np.ndarray) -> dict[str, Any]:
-    """What a checkpoint records of its classes: every name by code, and the codes it trained on."""
-    return {"names": [str(name) for name in names],
-            "trained": torch.from_numpy(np.unique(np.asarray(train_labels)).astype(np.int64))}
+def class_record(names: Sequence[str], train_labels: np.ndarray, known: np.ndarray | None = None) -> dict[str, Any]:
+    """What a checkpoint records of its classes: every name by code, and the codes it trained on; for a continued
+    run, ``known`` too (per code: whether the run it continued from trained on it), so that a resume of it keeps
+    reporting the image-level metrics of known and new classes apart without reading that run again."""
+    record: dict[str, Any] = {"names": [str(name) for name in names],
+                              "trained": torch.from_numpy(np.unique(np.asarray(train_labels)).astype(np.int64))}
+    if known is not None:
+        record["known"] = torch.from_numpy(np.asarray(known, dtype=bool).copy())
+    return record
+
+
+def recorded_known(state: dict[str, Any] | None, classes: int) -> np.ndarray | None:
+    """The ``known`` mask a resumed checkpoint's class record holds (:func:`class_record`); None when it holds none
+    or one that does not fit ``classes`` codes."""
+    record = state.get("classes") if isinstance(state, dict) else None
+    known = record.get("known") if isinstance(record, dict) else None
+    if not isinstance(known, torch.Tensor) or known.dtype != torch.bool or tuple(known.shape) != (classes,):
+        return None
+    return known.numpy().copy()
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,19 @@ def test_the_continued_run_evaluates_at_step_0_known_and_new_apart(tmp_path):
     # a resume of the continued run does not continue it again
     resumed = train(config(tmp_path, week2, "w2", f"train.init_from={start}", "train.epochs=2"), Backend())
     assert resumed.epochs_done == 2
+    # ... and still reports known and new apart (the resumed run read them from its own checkpoint)
+    evals = [r for r in map(json.loads, (tmp_path / "w2" / "metrics.jsonl").read_text().splitlines())
+             if r["type"] == "eval"]
+    assert len(evals) == 3 and evals[-1]["epoch"] == 2
+    assert evals[-1]["image_known_num_queries"] == evals[0]["image_known_num_queries"] > 0
+    assert evals[-1]["image_new_num_queries"] == evals[0]["image_new_num_queries"] > 0
+    start.unlink()  # the run it continued from may be gone by then
+    again = train(config(tmp_path, week2, "w2", f"train.init_from={start}", "train.epochs=3",
+                         "train.eval_every=1"), Backend())
+    assert again.epochs_done == 3
+    last = [r for r in map(json.loads, (tmp_path / "w2" / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "eval"][-1]
+    assert last["epoch"] == 3 and last["image_known_num_queries"] == evals[0]["image_known_num_queries"]
 
 
 def test_init_from_refuses_a_checkpoint_without_class_names(tmp_path):
