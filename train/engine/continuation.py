@@ -44,7 +44,8 @@ import torch
 from torch.nn import functional as F
 
 from pksampler.datasets import LabelledSubset
-from pksampler.train.engine.checkpoint import CheckpointError, check_training_checkpoint, load_checkpoint
+from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
+                                              load_checkpoint)
 from pksampler.train.errors import ConfigError
 from pksampler.train.evaluation.heldout import embed_rows
 from pksampler.train.losses.headed import HeadedLoss
@@ -122,6 +123,8 @@ class Continuation:
     known: np.ndarray
     #: training classes of the saved run that are held-out classes today
     now_held_out: int
+    #: whether the saved run had a head (without one, every row of this run's head is new)
+    saved_head: bool = True
 
     def line(self) -> str:
         """The one start-up line: kept, added, dropped, how the new rows began, what was reset and why."""
@@ -132,6 +135,9 @@ class Continuation:
                    else "random rows")
             classes = (f"classes kept {self.match.kept:,}, added {self.match.added:,} ({how}), "
                        f"dropped {self.match.dropped:,}")
+            if not self.saved_head:
+                classes = (f"the saved run had no head, every row is new ({how}); classes it knew by name "
+                           f"{self.match.kept:,}, added {self.match.added:,}, dropped {self.match.dropped:,}")
         leak = (f"; {self.now_held_out:,} classes it trained on are held out now (their class-disjoint metrics "
                 "overstate: data.split_by: name keeps each class on its side)" if self.now_held_out else "")
         return (f"[pksampler] init_from {self.path}: {classes}; optimizer state and row momentum reset (a new run "
@@ -149,15 +155,40 @@ def _read(path: str) -> dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("names"), list):
         raise ConfigError(f"train.init_from: {path} records no class names (written before checkpoints kept them); "
                           "classes are matched by name, never by code: continue from a newer checkpoint")
+    _check_record(record, state["loss"].get("head"), path)
+    bad = count_non_finite(state["model"])
+    if bad:
+        raise ConfigError(f"train.init_from: {path} holds {bad} NaN or infinite model value(s) (a run that "
+                          "diverged): continue from an earlier checkpoint of it")
     return state
 
 
-def _load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
+def _check_record(record: dict[str, Any], head: Any, path: str) -> None:
+    """Refuse a class record that cannot be matched by name: names that are not distinct strings, trained codes
+    outside them, or a head whose rows are not one (subcentres, dimension) float block per name."""
+    names, trained = record["names"], record.get("trained", torch.zeros(0, dtype=torch.int64))
+    problem = None
+    if not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
+        problem = "its class names are not distinct strings"
+    elif not isinstance(trained, torch.Tensor) or trained.dtype != torch.int64 or trained.dim() != 1 or (
+            trained.numel() and not (0 <= int(trained.min()) and int(trained.max()) < len(names))):
+        problem = f"its trained classes are not codes of its {len(names):,} names"
+    elif head is not None and not (isinstance(head, dict) and isinstance(head.get("rows"), torch.Tensor)
+                                   and head["rows"].is_floating_point() and head["rows"].dim() == 3
+                                   and head["rows"].shape[0] == len(names)):
+        problem = f"its head's rows are not one (subcentres, dimension) block for each of its {len(names):,} names"
+    if problem is not None:
+        raise ConfigError(f"train.init_from: {path}: {problem}; the file is damaged or not a pksampler training "
+                          "checkpoint")
+
+
+def _load_model(model: torch.nn.Module, saved: Any, path: str, part: str = "model.* keys") -> None:
+    """``saved`` into ``model``, or one line naming the part (``part``) that does not fit."""
     try:
         model.load_state_dict(saved)
-    except RuntimeError as error:
+    except (RuntimeError, TypeError, AttributeError) as error:
         reason = " ".join(str(error).split())[:240]
-        raise ConfigError(f"train.init_from: {path}: its model does not fit this run's model.* keys ({reason}); "
+        raise ConfigError(f"train.init_from: {path}: its model does not fit this run's {part} ({reason}); "
                           "continue with the architecture it was trained with") from None
 
 
@@ -172,7 +203,11 @@ def _load_kept_rows(head: ShardedMarginHead, saved_head: dict[str, Any] | None, 
             raise ConfigError(f"train.init_from: {path}: its head rows are {tuple(rows.shape[1:])} (subcentres, "
                               f"dimension), this run's ({head.subcentres}, {head.dim}): head.subcentres and "
                               "model.embedding_dim must match")
-        head.rows[torch.from_numpy(kept)] = rows[torch.from_numpy(local[kept])].to(head.rows)
+        taken = rows[torch.from_numpy(local[kept])]
+        if not torch.isfinite(taken).all():
+            raise ConfigError(f"train.init_from: {path}: its head holds NaN or infinite rows (a run that "
+                              "diverged): continue from an earlier checkpoint of it")
+        head.rows[torch.from_numpy(kept)] = taken.to(head.rows)
     elif saved_head is None:
         kept = np.zeros(0, dtype=np.int64)
     return torch.from_numpy(np.setdiff1d(np.arange(local.size), kept))
@@ -269,7 +304,7 @@ def _take_saved(path: str, model: torch.nn.Module, loss_fn: Any, names: Sequence
         return record, match, None, False
     saved_loss = state["loss"]
     if loss_fn.neck is not None and "neck" in saved_loss:
-        loss_fn.neck.load_state_dict(saved_loss["neck"])
+        _load_model(loss_fn.neck, saved_loss["neck"], path, "head.bnneck's neck")
     saved_head = saved_loss.get("head")
     return record, match, _load_kept_rows(loss_fn.head, saved_head, match.saved_of, path), saved_head is not None
 
@@ -300,4 +335,4 @@ def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Seq
         length = _mean_length(loss_fn.head, known if saved_has_head else np.zeros_like(known), backend)
         imprinted, images = _imprint(model, loss_fn, plain_train, view, backend, np.asarray(train_labels), new_local,
                                      length)
-    return Continuation(path, match, imprinted, images, rows, known, now_held_out)
+    return Continuation(path, match, imprinted, images, rows, known, now_held_out, saved_has_head)

@@ -3,6 +3,7 @@ line, the image-level evaluation split into known and new classes, and the refus
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import threading
@@ -251,3 +252,84 @@ def test_a_new_class_with_one_training_image_is_imprinted_through_the_bnneck(tmp
         assert torch.allclose(head.rows[code].double().norm(), length, rtol=0.5)
     finally:
         run.close()
+
+
+@pytest.fixture(scope="module")
+def saved_week1(tmp_path_factory):
+    """Week 1 trained one step; (root, week 2's folder, its checkpoint's state)."""
+    root = tmp_path_factory.mktemp("grown")
+    week1, week2 = folders(root)
+    train(config(root, week1, "w1", "train.max_steps=1"), Backend())
+    return root, week2, load_checkpoint(root / "w1" / "checkpoints" / "last.pt")
+
+
+def _names(state):
+    return state["classes"]["names"]
+
+
+#: a damaged or hostile checkpoint -> (how it is made from week 1's, the one line that refuses it)
+DAMAGED = {
+    "duplicate names": (lambda s: _names(s).__setitem__(1, _names(s)[0]), r"class names are not distinct strings"),
+    "names that are not strings": (lambda s: s["classes"].__setitem__("names", list(range(len(_names(s))))),
+                                   r"class names are not distinct strings"),
+    "trained codes outside the names": (lambda s: s["classes"].__setitem__("trained", torch.tensor([0, 999])),
+                                        r"trained classes are not codes of its 24 names"),
+    "trained codes as strings": (lambda s: s["classes"].__setitem__("trained", ["a"]),
+                                 r"trained classes are not codes of its 24 names"),
+    "more names than head rows": (lambda s: _names(s).extend(["zz_a", "zz_b"]),
+                                  r"head's rows are not one \(subcentres, dimension\) block for each of its 26 names"),
+    "head rows as a list": (lambda s: s["loss"]["head"].__setitem__("rows", [1.0, 2.0]), r"head's rows are not one"),
+    "a neck of another width": (lambda s: s["loss"].__setitem__("neck", {"norm.weight": torch.ones(3),
+                                                                         "norm.bias": torch.zeros(3)}),
+                                r"does not fit this run's head\.bnneck's neck"),
+    "a diverged model": (lambda s: next(iter(s["model"].values())).fill_(float("nan")),
+                         r"holds \d+ NaN or infinite model value\(s\)"),
+    "diverged head rows": (lambda s: s["loss"]["head"]["rows"].fill_(float("inf")),
+                           r"its head holds NaN or infinite rows"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED))
+def test_init_from_refuses_a_damaged_checkpoint_in_one_line(saved_week1, tmp_path, case):
+    """Before, each of these ran on (a diverged model, its rows imprinted from NaN: none), or raised a traceback
+    (IndexError, AttributeError, RuntimeError) on the ranks that read the bad part while the others waited."""
+    root, week2, state = saved_week1
+    damaged = copy.deepcopy(state)
+    make, refusal = DAMAGED[case]
+    make(damaged)
+    save_checkpoint(tmp_path / "damaged.pt", damaged)
+    with pytest.raises(ConfigError, match=r"^train\.init_from: .*damaged\.pt.*" + refusal) as caught:
+        assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'damaged.pt'}"), Backend())
+    assert "\n" not in str(caught.value)
+
+
+def test_init_from_a_checkpoint_without_a_head_imprints_every_row_and_says_so(saved_week1, tmp_path, capsys):
+    """The start line said 'classes kept 22' of a checkpoint that had no rows to keep."""
+    root, week2, state = saved_week1
+    headless = copy.deepcopy(state)
+    del headless["loss"]["head"]
+    save_checkpoint(tmp_path / "headless.pt", headless)
+    capsys.readouterr()
+    run = assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'headless.pt'}"), Backend())
+    try:
+        line = [text for text in capsys.readouterr().out.splitlines() if "init_from" in text][0]
+        trained = int(np.unique(run.trainer.parts.train_set.labels).size)
+        assert f"the saved run had no head, every row is new ({trained} imprinted from" in line
+        assert "classes it knew by name 22, added 8, dropped 2" in line and "classes kept" not in line
+        for key, value in state["model"].items():  # the model is taken all the same
+            assert torch.equal(run.trainer.parts.model.state_dict()[key], value)
+    finally:
+        run.close()
+
+
+def test_init_from_never_runs_code_from_the_file(saved_week1, tmp_path):
+    root, week2, state = saved_week1
+
+    class Planted:
+        def __reduce__(self):
+            return (Path.touch, (tmp_path / "ran",))
+
+    torch.save({**state, "state": {"planted": Planted()}}, tmp_path / "planted.pt")
+    with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint .*planted\.pt was refused"):
+        assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'planted.pt'}"), Backend())
+    assert not (tmp_path / "ran").exists()
