@@ -138,6 +138,9 @@ class Continuation:
             if not self.saved_head:
                 classes = (f"the saved run had no head, every row is new ({how}); classes it knew by name "
                            f"{self.match.kept:,}, added {self.match.added:,}, dropped {self.match.dropped:,}")
+        if self.match is not None and not self.match.kept and self.match.dropped:
+            classes += ("; no class name matched the saved run's (joining datasets names each class "
+                        "<dataset>/<class>, so a set that joins others or leaves them renames every class)")
         leak = (f"; {self.now_held_out:,} classes it trained on are held out now (their class-disjoint metrics "
                 "overstate: data.split_by: name keeps each class on its side)" if self.now_held_out else "")
         return (f"[pksampler] init_from {self.path}: {classes}; optimizer state and row momentum reset (a new run "

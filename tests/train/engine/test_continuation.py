@@ -333,3 +333,17 @@ def test_init_from_never_runs_code_from_the_file(saved_week1, tmp_path):
     with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint .*planted\.pt was refused"):
         assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'planted.pt'}"), Backend())
     assert not (tmp_path / "ran").exists()
+
+
+def test_the_start_line_says_when_no_class_name_matched():
+    """Week 1 on one dataset, week 2 joining it with another (``DATASETS=a,b``): every name gains its dataset's
+    prefix, so nothing matched; the line said only 'kept 0'."""
+    from pksampler.train.engine.continuation import Continuation
+
+    joined = match_classes(["x", "y"], ["a/x", "a/y", "b/z"])
+    assert (joined.kept, joined.added, joined.dropped) == (0, 3, 2)
+    line = Continuation("w1.pt", joined, 3, 9, "imprint", np.zeros(3, dtype=bool), 0).line()
+    assert "classes kept 0, added 3" in line and "no class name matched the saved run's" in line
+    assert "<dataset>/<class>" in line and "\n" not in line
+    kept = Continuation("w1.pt", match_classes(["a/x"], ["a/x", "b/z"]), 1, 3, "imprint", np.ones(2, dtype=bool), 0)
+    assert "no class name matched" not in kept.line()
