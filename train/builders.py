@@ -227,15 +227,19 @@ def _check_combined(config: RunConfig, dataset: UnionDataset) -> None:
 
 def split_gaps(data: DataParts, config: DataConfig) -> list[str]:
     """One warning per dataset of a union that the class-disjoint split left out of training (every class held
-    out: none of its images is trained on) or out of evaluation (no class held out); empty for one dataset.
+    out: none of its images is trained on) or out of evaluation (no class held out); one for a
+    ``data.heldout_images`` that holds out nothing (every training class a single image).
 
     The split is drawn over the union's classes, so a small dataset can land wholly on one side; the run is still
     valid, but the user asked for that dataset and should hear that it is only evaluated, or never evaluated."""
+    warnings = []
+    if config.heldout_images and not data.heldout.size:
+        warnings.append(f"data.heldout_images={config.heldout_images}: every training class has a single image and "
+                        "keeps it, so no image is held out and no image-level evaluation runs")
     union = data.dataset
     if not isinstance(union, UnionDataset):
-        return []
+        return warnings
     split = f"data.test_fraction={config.test_fraction}, data.split_seed={config.split_seed}"
-    warnings = []
     for part, name in enumerate(union.names):
         low, high = union.class_offsets[part], union.class_offsets[part + 1]
         trained, held = (np.unique(s.labels[(s.labels >= low) & (s.labels < high)]).size for s in (data.train, data.test))

@@ -167,3 +167,14 @@ def _shop(datasets_path: Path) -> Path:
     if not mount.exists():
         shutil.copytree(datasets_path / "photos", mount / "shop" / "photos")
     return mount
+
+
+def test_a_heldout_images_that_holds_out_nothing_is_said():
+    """data.heldout_images on classes of one image each held out nothing and the image-level metrics were just
+    absent; a class keeps its last image, so the warning names the cause."""
+    single = load_config(None, [*TINY, "data.args={num_classes: 24, images_per_class: 1, image_size: 32}",
+                                "data.heldout_images=2"])
+    gaps = split_gaps(build_data(single), single.data)
+    assert len(gaps) == 1 and gaps[0].startswith("data.heldout_images=2: every training class has a single image")
+    several = load_config(None, [*TINY, "data.heldout_images=2"])
+    assert split_gaps(build_data(several), several.data) == []
