@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +175,10 @@ def test_init_from_refuses_a_checkpoint_without_class_names(tmp_path):
                      "model.embedding_dim=24"), Backend())
     with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint not found"):
         train(config(tmp_path, week2, "w4", f"train.init_from={tmp_path / 'missing.pt'}"), Backend())
+    os.mkfifo(tmp_path / "fifo.pt")  # "not found" before, for a folder or a FIFO that is there
+    for planted, what in ((tmp_path / "w1" / "checkpoints", "a directory"), (tmp_path / "fifo.pt", "not a regular")):
+        with pytest.raises(ConfigError, match=rf"^train\.init_from: checkpoint .* is {what}"):
+            train(config(tmp_path, week2, "w5", f"train.init_from={planted}"), Backend())
 
 
 class ThreadRanks:
