@@ -253,6 +253,15 @@ def split_gaps(data: DataParts, config: DataConfig) -> list[str]:
     return warnings
 
 
+def heldout_note(data: DataParts, config: DataConfig) -> str:
+    """What a sampler's refusal should add when ``data.heldout_images`` took images out of training: the sampler
+    counts only the rest, and a class of n images trains on n - q (at least one); empty without held-out images."""
+    if not data.heldout.size:
+        return ""
+    return (f" (data.heldout_images={config.heldout_images} keeps {data.heldout.size} images of the training classes "
+            "out of training, and the sampler counts only the rest: lower it, or lower sampler.samples_per_class)")
+
+
 def build_data(config: RunConfig) -> DataParts:
     """Open the dataset (or the union of ``data.datasets``) and split its classes into train and test parts."""
     data = config.data

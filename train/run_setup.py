@@ -35,8 +35,8 @@ from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
 from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible
-from pksampler.train.builders import (DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of,
-                                      split_gaps, warmup_length)
+from pksampler.train.builders import (DataParts, build_data, build_optimizer, build_sampler, build_schedule,
+                                      heldout_note, shard_ids_of, split_gaps, warmup_length)
 from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
                                               load_checkpoint)
 from pksampler.train.engine.datacheck import IndexDigestHook
@@ -119,8 +119,11 @@ def _prepare(config: RunConfig, backend: Backend, mode: RunMode) -> tuple[Worksp
         if backend.rank == 0:
             lock = prepare_workspace(Path(config.workspace))
         data = build_data(config)
-        sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed,
-                                shard_ids=shard_ids_of(data.train))
+        try:
+            sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed,
+                                    shard_ids=shard_ids_of(data.train))
+        except ConfigError as refused:
+            raise ConfigError(f"{refused}{heldout_note(data, config.data)}") from None
     except ConfigError as caught:
         error = caught
     try:

@@ -178,3 +178,22 @@ def test_a_heldout_images_that_holds_out_nothing_is_said():
     assert len(gaps) == 1 and gaps[0].startswith("data.heldout_images=2: every training class has a single image")
     several = load_config(None, [*TINY, "data.heldout_images=2"])
     assert split_gaps(build_data(several), several.data) == []
+
+
+def test_a_sampler_refusal_caused_by_heldout_images_names_it(tmp_path):
+    """Six images a class, five held out, K = 3 under small_classes: drop: the sampler's 'not enough classes' did
+    not say that data.heldout_images took the images it counted."""
+    from pksampler.train.run_setup import assemble
+    from pksampler.train.runtime.distributed import Backend
+
+    config = load_config(None, [*TINY, "data.heldout_images=5", "sampler.args={small_classes: drop}",
+                                f"workspace={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^sampler: not enough classes.*\(data\.heldout_images=5 keeps \d+ images "
+                                          r"of the training classes out of training") as caught:
+        assemble(config, Backend())
+    assert "\n" not in str(caught.value)
+    plain = load_config(None, [*TINY, "sampler.samples_per_class=7", "sampler.args={small_classes: drop}",
+                               "optim.base_batch=28", f"workspace={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^sampler: not enough classes") as caught:
+        assemble(plain, Backend())
+    assert "heldout_images" not in str(caught.value)
