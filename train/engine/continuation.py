@@ -36,6 +36,7 @@ or a copy per host).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -53,6 +54,9 @@ from pksampler.train.modeling.sharded_head import INIT_STD, ShardedMarginHead
 
 __all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes",
            "neck_statistics", "recorded_known"]
+
+#: the resume's advice that ends a checkpoint's refusal (:mod:`.checkpoint`), cut from train.init_from's
+_RESUME_ADVICE = re.compile(r"[.:;]? *(Delete it or )?start afresh with --no-resume or another WORKSPACE$")
 
 #: training images embedded per block while imprinting (bounds a rank's memory at BLOCK × D floats)
 IMPRINT_BLOCK = 1024
@@ -152,8 +156,9 @@ def _read(path: str) -> dict[str, Any]:
     try:
         state = load_checkpoint(path, mmap=True)
         check_training_checkpoint(state, path)
-    except CheckpointError as error:
-        raise ConfigError(f"train.init_from: {error}") from None
+    except CheckpointError as error:  # its advice is a resume's: the continued run's workspace is not at fault
+        reason = _RESUME_ADVICE.sub("", str(error))
+        raise ConfigError(f"train.init_from: {reason}; continue from another checkpoint") from None
     record = state.get("classes")
     if not isinstance(record, dict) or not isinstance(record.get("names"), list):
         raise ConfigError(f"train.init_from: {path} records no class names (written before checkpoints kept them); "

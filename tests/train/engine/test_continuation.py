@@ -287,6 +287,7 @@ DAMAGED = {
     "a neck of another width": (lambda s: s["loss"].__setitem__("neck", {"norm.weight": torch.ones(3),
                                                                          "norm.bias": torch.zeros(3)}),
                                 r"does not fit this run's head\.bnneck's neck"),
+    "a section missing": (lambda s: s.pop("sampler"), r"section 'sampler' must be a dict, it holds nothing"),
     "a diverged model": (lambda s: next(iter(s["model"].values())).fill_(float("nan")),
                          r"holds \d+ NaN or infinite model value\(s\)"),
     "diverged head rows": (lambda s: s["loss"]["head"]["rows"].fill_(float("inf")),
@@ -305,7 +306,7 @@ def test_init_from_refuses_a_damaged_checkpoint_in_one_line(saved_week1, tmp_pat
     save_checkpoint(tmp_path / "damaged.pt", damaged)
     with pytest.raises(ConfigError, match=r"^train\.init_from: .*damaged\.pt.*" + refusal) as caught:
         assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'damaged.pt'}"), Backend())
-    assert "\n" not in str(caught.value)
+    assert "\n" not in str(caught.value) and "--no-resume" not in str(caught.value)
 
 
 def test_init_from_a_checkpoint_without_a_head_imprints_every_row_and_says_so(saved_week1, tmp_path, capsys):
@@ -335,8 +336,11 @@ def test_init_from_never_runs_code_from_the_file(saved_week1, tmp_path):
             return (Path.touch, (tmp_path / "ran",))
 
     torch.save({**state, "state": {"planted": Planted()}}, tmp_path / "planted.pt")
-    with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint .*planted\.pt was refused"):
+    with pytest.raises(ConfigError, match=r"^train\.init_from: checkpoint .*planted\.pt was refused") as caught:
         assemble(config(tmp_path, week2, "w2", f"train.init_from={tmp_path / 'planted.pt'}"), Backend())
+    message = str(caught.value)  # the resume's advice (--no-resume) is not the continued run's
+    assert "could run code" in message and "--no-resume" not in message
+    assert message.endswith("; continue from another checkpoint")
     assert not (tmp_path / "ran").exists()
 
 
