@@ -216,6 +216,12 @@ class LabelledDataset(Dataset):
         (packed shards, synthetic images)."""
         return None
 
+    def item_names(self) -> list[str] | None:
+        """Each sample's name within its class, stable while the set grows (a file's name in its class folder),
+        for :func:`~.split.image_holdout`; None where samples have none (packed shards, synthetic images): their
+        position in the class names them."""
+        return None
+
     @property
     def worker_start_method(self) -> str | None:
         """How DataLoader workers over this dataset must start: ``"spawn"`` for an object store (its client cannot
@@ -245,6 +251,10 @@ class ImageFileDataset(LabelledDataset):
 
     def describe(self, index: int) -> str:
         return self.paths[index]
+
+    def item_names(self) -> list[str]:
+        """Each file's name (the class is the folder, or the list file's label)."""
+        return [os.path.basename(path) for path in self.paths]
 
     def files(self) -> list[str]:
         """``paths`` with each folder's real path (one ``realpath`` per folder, not per file)."""

@@ -290,8 +290,9 @@ def split_data(dataset: LabelledDataset, data: DataConfig) -> tuple[np.ndarray, 
                                                            data.split_seed)
     else:
         train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
+    names = dataset.item_names() if data.heldout_images else None  # held images keyed by name, not position
     kept, held = image_holdout(np.asarray(dataset.labels)[train_idx], dataset.classes, data.heldout_images,
-                               data.split_seed)
+                               data.split_seed, items=None if names is None else [names[i] for i in train_idx.tolist()])
     return train_idx[kept], test_idx, train_idx[held]
 
 

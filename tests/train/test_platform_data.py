@@ -197,3 +197,25 @@ def test_a_sampler_refusal_caused_by_heldout_images_names_it(tmp_path):
     with pytest.raises(ConfigError, match=r"^sampler: not enough classes") as caught:
         assemble(plain, Backend())
     assert "heldout_images" not in str(caught.value)
+
+
+def test_a_folder_class_that_gains_photos_is_not_queried_with_images_trained_on(tmp_path):
+    """Week 2 adds a photo sorting first to every week-1 class: no week-2 image-level query is a week-1 training
+    image (keyed by position, most classes' held-out images moved onto trained ones)."""
+    from tiny_runs import grown_folders
+
+    week1, week2 = grown_folders(tmp_path)
+    for folder in week2.iterdir():
+        first = sorted(folder.iterdir())[0]
+        (folder / f"0_new{first.suffix}").write_bytes(first.read_bytes())
+
+    def parts(root):
+        config = load_config(None, [*TINY, "data.name=folder", "data.args={}", f"data.root={root}",
+                                    "data.split_by=name", "data.heldout_images=2"])
+        data = build_data(config)
+        name = lambda i: str(Path(data.dataset.paths[i]).relative_to(root))  # noqa: E731
+        return {name(i) for i in data.train.indices}, {name(i) for i in data.heldout}
+
+    trained1, _ = parts(week1)
+    _, held2 = parts(week2)
+    assert held2 and not held2 & trained1
