@@ -207,7 +207,7 @@ def test_a_folder_class_that_gains_photos_is_not_queried_with_images_trained_on(
     week1, week2 = grown_folders(tmp_path)
     for folder in week2.iterdir():
         first = sorted(folder.iterdir())[0]
-        (folder / f"0_new{first.suffix}").write_bytes(first.read_bytes())
+        (folder / f"-new{first.suffix}").write_bytes(first.read_bytes())  # sorts before 00000.png
 
     def parts(root):
         config = load_config(None, [*TINY, "data.name=folder", "data.args={}", f"data.root={root}",
