@@ -146,8 +146,10 @@ class LabelledDataset(Dataset):
             return None  # building it costs about a tenth of a JPEG decode in a DataLoader worker
         return sample_rng(self.seed, self.epoch, key)
 
-    def _load_or_replace(self, index: int, *, seed: int, epoch: int, on_bad: str, counters: torch.Tensor) -> Any:
-        """``load(index)``, or under ``on_bad="replace"`` the image of another member of its class."""
+    def _load_or_replace(self, index: int, *, seed: int, epoch: int, on_bad: str, counters: torch.Tensor,
+                         members: Callable[[int], np.ndarray] | None = None) -> Any:
+        """``load(index)``, or under ``on_bad="replace"`` the image of another member of its class (``members``:
+        a class's candidate indices, by default all of them; a subset passes its own)."""
         row = _counter_row()
         counters[row, 1] += 1
         try:
@@ -159,7 +161,7 @@ class LabelledDataset(Dataset):
             self._report(index, error)
             first_error = error
         rng = np.random.default_rng([seed, epoch, index, _REPLACEMENT_KEY])
-        members = self._class_members(int(self.labels[index]))
+        members = (members or self._class_members)(int(self.labels[index]))
         candidates = members[members != index]
         if candidates.size > _REPLACEMENT_TRIES:
             candidates = rng.choice(candidates, size=_REPLACEMENT_TRIES, replace=False)
@@ -214,6 +216,12 @@ class LabelledDataset(Dataset):
         (packed shards, synthetic images)."""
         return None
 
+    def item_names(self) -> list[str] | None:
+        """Each sample's name within its class, stable while the set grows (a file's name in its class folder),
+        for :func:`~.split.image_holdout`; None where samples have none (packed shards, synthetic images): their
+        position in the class names them."""
+        return None
+
     @property
     def worker_start_method(self) -> str | None:
         """How DataLoader workers over this dataset must start: ``"spawn"`` for an object store (its client cannot
@@ -243,6 +251,10 @@ class ImageFileDataset(LabelledDataset):
 
     def describe(self, index: int) -> str:
         return self.paths[index]
+
+    def item_names(self) -> list[str]:
+        """Each file's name (the class is the folder, or the list file's label)."""
+        return [os.path.basename(path) for path in self.paths]
 
     def files(self) -> list[str]:
         """``paths`` with each folder's real path (one ``realpath`` per folder, not per file)."""
@@ -275,7 +287,7 @@ class LabelledSubset(LabelledDataset):
 
     The augmentation key stays the parent's sample index, so a sample is
     augmented identically whether it is reached through a subset or not; a bad
-    image is replaced by another member of its class in the parent, chosen by
+    image is replaced by another member of its class in the subset, chosen by
     the same key. Indices follow the parent's rule: ``-len <= index < len``,
     anything else is an IndexError. Bad-image counts are the subset's own.
     """
@@ -321,6 +333,11 @@ class LabelledSubset(LabelledDataset):
     def augmentation_key(self, index: int) -> int:
         return int(self.indices[index])
 
+    def _parent_members(self, label: int) -> np.ndarray:
+        """The parent's indices of this subset's members of class ``label``: a bad image's replacement stays in
+        the subset (a class's training images never borrow its held-out ones, ``data.heldout_images``)."""
+        return self.indices[self._class_members(label)]
+
     def describe(self, index: int) -> str:
         return self.dataset.describe(int(self.indices[index]))
 
@@ -328,5 +345,5 @@ class LabelledSubset(LabelledDataset):
         index = self._check_index(index)
         parent = int(self.indices[index])
         sample = self.dataset._load_or_replace(parent, seed=self.seed, epoch=self.epoch, on_bad=self.on_bad,
-                                               counters=self._counters)
+                                               counters=self._counters, members=self._parent_members)
         return apply_transform(self.transform, sample, self._rng(parent)), int(self.labels[index])

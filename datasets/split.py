@@ -6,7 +6,8 @@ class codes: a dataset that gains classes gets another test set.
 class stays on its side as the label set grows (a model continued on a grown
 set is never tested on a class it trained on). :func:`image_holdout` keeps a
 few images of every training class out of training, each chosen by a key of
-(class name, position in the class), stable under growth too.
+(class name, item name), stable under growth too: a class that gains images
+never hands a held-out place to an image a previous run trained on.
 """
 
 from __future__ import annotations
@@ -94,18 +95,23 @@ def class_disjoint_split_by_name(labels: Any, names: Sequence[str], test_fractio
     return np.flatnonzero(~test_mask), np.flatnonzero(test_mask)
 
 
-def image_holdout(labels: Any, names: Sequence[str], per_class: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def image_holdout(labels: Any, names: Sequence[str], per_class: int, seed: int = 0, *,
+                  items: Sequence[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Positions ``(kept, held)`` of ``labels``: ``per_class`` images of every class held out (at most all but one).
 
-    The held images of a class are those with the smallest key of (class name, position among the class's
-    items, seed): the same at every world size, and the same images while a class's items are unchanged, however
-    many classes come and go. Both arrays are sorted.
+    The held images of a class are those with the smallest key of (class name, item, seed), the item named by
+    ``items`` (a file's name in its class folder: :meth:`~.base.LabelledDataset.item_names`), else by its position
+    among the class's items. By name, the held images stay while classes come and go *and* while a class gains
+    images: a new image can only take a held-out place, never hand one to an image a previous run trained on (by
+    position, one new image sorting first moves every later key). The same at every world size; both arrays sorted.
     """
     labels = np.asarray(labels)
     if isinstance(per_class, bool) or not isinstance(per_class, (int, np.integer)) or per_class < 0:
         raise ValueError(f"image_holdout(per_class=) must be an int >= 0, got {per_class!r}")
     if labels.ndim != 1:
         raise ValueError(f"image_holdout(labels=) must be 1-D, got shape {labels.shape}")
+    if items is not None and len(items) != labels.size:
+        raise ValueError(f"image_holdout(items=) must name every item: {len(items)} names for {labels.size} labels")
     if per_class == 0 or labels.size == 0:
         return np.arange(labels.size, dtype=np.int64), np.zeros(0, dtype=np.int64)
     order = np.argsort(labels, kind="stable")
@@ -115,8 +121,10 @@ def image_holdout(labels: Any, names: Sequence[str], per_class: int, seed: int =
     present = np.flatnonzero(sizes)
     keys = np.zeros(len(names), dtype=np.uint64)
     keys[present] = name_keys([names[c] for c in present], seed)
+    step = (within.astype(np.uint64) if items is None
+            else name_keys([items[i] for i in order.tolist()], seed))  # per item, in ``order``
     with np.errstate(over="ignore"):
-        key = mix64(keys[labels[order]] + within.astype(np.uint64) * GOLDEN)
+        key = mix64(keys[labels[order]] + step * GOLDEN)
     ranked = order[np.lexsort((key, labels[order]))]  # by class, then key
     rank = np.arange(labels.size) - starts[labels[ranked]]
     held = rank < np.minimum(per_class, sizes[labels[ranked]] - 1)

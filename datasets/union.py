@@ -89,6 +89,11 @@ class UnionDataset(LabelledDataset):
         policy = "raise" if "raise" in (on_bad, self.parts[self.locate(index)[0]].on_bad) else on_bad
         return super()._load_or_replace(index, on_bad=policy, **rest)
 
+    def item_names(self) -> list[str] | None:
+        """The parts' item names in order; None unless every part names its items."""
+        names = [part.item_names() for part in self.parts]
+        return None if any(n is None for n in names) else [name for part in names for name in part]
+
     def describe(self, index: int) -> str:
         part, inner = self.locate(index)
         return f"{self.names[part]}: {self.parts[part].describe(inner)}"

@@ -227,15 +227,19 @@ def _check_combined(config: RunConfig, dataset: UnionDataset) -> None:
 
 def split_gaps(data: DataParts, config: DataConfig) -> list[str]:
     """One warning per dataset of a union that the class-disjoint split left out of training (every class held
-    out: none of its images is trained on) or out of evaluation (no class held out); empty for one dataset.
+    out: none of its images is trained on) or out of evaluation (no class held out); one for a
+    ``data.heldout_images`` that holds out nothing (every training class a single image).
 
     The split is drawn over the union's classes, so a small dataset can land wholly on one side; the run is still
     valid, but the user asked for that dataset and should hear that it is only evaluated, or never evaluated."""
+    warnings = []
+    if config.heldout_images and not data.heldout.size:
+        warnings.append(f"data.heldout_images={config.heldout_images}: every training class has a single image and "
+                        "keeps it, so no image is held out and no image-level evaluation runs")
     union = data.dataset
     if not isinstance(union, UnionDataset):
-        return []
+        return warnings
     split = f"data.test_fraction={config.test_fraction}, data.split_seed={config.split_seed}"
-    warnings = []
     for part, name in enumerate(union.names):
         low, high = union.class_offsets[part], union.class_offsets[part + 1]
         trained, held = (np.unique(s.labels[(s.labels >= low) & (s.labels < high)]).size for s in (data.train, data.test))
@@ -247,6 +251,15 @@ def split_gaps(data: DataParts, config: DataConfig) -> list[str]:
             warnings.append(f"data.datasets {name!r}: the held-out split ({split}) took none of its {trained} "
                             "classes, so no evaluation covers it")
     return warnings
+
+
+def heldout_note(data: DataParts, config: DataConfig) -> str:
+    """What a sampler's refusal should add when ``data.heldout_images`` took images out of training: the sampler
+    counts only the rest, and a class of n images trains on n - q (at least one); empty without held-out images."""
+    if not data.heldout.size:
+        return ""
+    return (f" (data.heldout_images={config.heldout_images} keeps {data.heldout.size} images of the training classes "
+            "out of training, and the sampler counts only the rest: lower it, or lower sampler.samples_per_class)")
 
 
 def build_data(config: RunConfig) -> DataParts:
@@ -277,8 +290,9 @@ def split_data(dataset: LabelledDataset, data: DataConfig) -> tuple[np.ndarray, 
                                                            data.split_seed)
     else:
         train_idx, test_idx = class_disjoint_split(dataset.labels, data.test_fraction, data.split_seed)
+    names = dataset.item_names() if data.heldout_images else None  # held images keyed by name, not position
     kept, held = image_holdout(np.asarray(dataset.labels)[train_idx], dataset.classes, data.heldout_images,
-                               data.split_seed)
+                               data.split_seed, items=None if names is None else [names[i] for i in train_idx.tolist()])
     return train_idx[kept], test_idx, train_idx[held]
 
 

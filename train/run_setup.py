@@ -35,8 +35,8 @@ from pksampler.datasets import LabelledSubset
 from pksampler.files import atomic_write_text
 
 from pksampler.train.config.agreement import check_ranks_agree, check_resume_compatible
-from pksampler.train.builders import (DataParts, build_data, build_optimizer, build_sampler, build_schedule, shard_ids_of,
-                                      split_gaps, warmup_length)
+from pksampler.train.builders import (DataParts, build_data, build_optimizer, build_sampler, build_schedule,
+                                      heldout_note, shard_ids_of, split_gaps, warmup_length)
 from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
                                               load_checkpoint)
 from pksampler.train.engine.datacheck import IndexDigestHook
@@ -48,7 +48,7 @@ from pksampler.train.engine.stall import HeadScalarsHook, HeadStallHook
 from pksampler.train.evaluation.collapse import COLLAPSE_KEYS
 from pksampler.train.evaluation.heldout import HeldOutEvaluator, embed
 from pksampler.train.evaluation.image_level import ImageLevelEvaluator
-from pksampler.train.engine.continuation import Continuation, class_record, continue_from
+from pksampler.train.engine.continuation import Continuation, class_record, continue_from, recorded_known
 from pksampler.train.engine.hooks import (
     ObjectStoreHook,
     BadImageHook,
@@ -120,8 +120,11 @@ def _prepare(config: RunConfig, backend: Backend, mode: RunMode) -> tuple[Worksp
         if backend.rank == 0:
             lock = prepare_workspace(Path(config.workspace))
         data = build_data(config)
-        sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed,
-                                shard_ids=shard_ids_of(data.train))
+        try:
+            sampler = build_sampler(config.sampler, data.train.labels, backend.size, backend.rank, config.seed,
+                                    shard_ids=shard_ids_of(data.train))
+        except ConfigError as refused:
+            raise ConfigError(f"{refused}{heldout_note(data, config.data)}") from None
     except ConfigError as caught:
         error = caught
     try:
@@ -262,9 +265,9 @@ def _load_resume_state(config: RunConfig, backend: Backend, mode: RunMode) -> di
 
 
 def _evaluation(config: RunConfig, parts: StepParts, data: DataParts,
-                continuation: Continuation | None) -> tuple[HeldOutEvaluator, Callable[[int, int], dict[str, float]]]:
+                known: np.ndarray | None) -> tuple[HeldOutEvaluator, Callable[[int, int], dict[str, float]]]:
     """The held-out classes' evaluator, and the evaluation the hook runs: it, then (``data.heldout_images``) the
-    image-level one inside the training classes, known and new apart for a continued run."""
+    image-level one inside the training classes, ``known`` and new apart for a continued run (or its resume)."""
     search = {"index": config.eval.index, "nprobe": config.eval.nprobe, "check_queries": config.eval.check_queries}
     common = dict(queries=config.eval.queries, seed=config.seed, search=search,
                   max_bad_fraction=config.data.max_bad_fraction, view=data.view)
@@ -275,17 +278,18 @@ def _evaluation(config: RunConfig, parts: StepParts, data: DataParts,
         return evaluator, evaluator
     images = ImageLevelEvaluator(parts.model, data.dataset, data.train.indices, data.heldout, parts.backend,
                                  transform=data.test.transform,
-                                 known=continuation.known if continuation is not None else None, **common)
+                                 known=known, **common)
     return evaluator, lambda epoch, step: {**evaluator(epoch, step), **images(epoch, step)}
 
 
 def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, checkpoints: CheckpointHook,
-           mode: RunMode, continuation: Continuation | None = None) -> list[HookBase]:
+           mode: RunMode, continuation: Continuation | None = None,
+           known: np.ndarray | None = None) -> list[HookBase]:
     """The standard hooks in their order: the epoch's checkpoint is written before evaluation; the one writer
     hook (metrics.jsonl, progress, TensorBoard) where the run mode puts it."""
     backend, parts = trainer.parts.backend, trainer.parts
     workspace = Path(config.workspace)
-    evaluator, evaluate = _evaluation(config, parts, data, continuation)
+    evaluator, evaluate = _evaluation(config, parts, data, known)
     hooks: list[HookBase] = []
     if getattr(parts.sampler, "needs_class_neighbours", False):
         hooks.append(HardNegativeHook(lambda: _embed_training_set(parts, data, config.data.image_size),
@@ -391,11 +395,13 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
             lock.release()
         raise
     workspace = Path(config.workspace)
+    # a continued run's known classes: from the run it continued, or (a resume of it) from its own checkpoint
+    known = continuation.known if continuation is not None else recorded_known(saved, len(data.dataset.classes))
     log = _open_log(config, backend, data, trainer, resumed=saved is not None, continuation=continuation)
     checkpoints = mode.checkpoints(workspace, every=config.train.checkpoint_every, max_steps=config.train.max_steps,
                                    metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict(),
-                                             "classes": class_record(data.dataset.classes, data.train.labels)})
-    trainer.register([*_hooks(config, trainer, data, log, checkpoints, mode, continuation), *extra_hooks])
+                                             "classes": class_record(data.dataset.classes, data.train.labels, known)})
+    trainer.register([*_hooks(config, trainer, data, log, checkpoints, mode, continuation, known), *extra_hooks])
     return Run(trainer, workspace, log, mode.workspace_lock(lock, workspace), mode)
 
 

@@ -145,6 +145,26 @@ def test_bad_image_replaced_within_class_deterministically(folder_with_bad, capf
     assert dataset.bad_image_counts() == (0, 0)
 
 
+def test_a_subsets_bad_image_is_replaced_by_a_member_of_the_subset(folder_with_bad):
+    """A subset (the training images, data.heldout_images held out) replaced a bad image by any member of its class
+    in the parent: a held-out query was trained on, and a continued run imprinted a new class's row from it."""
+    root, bad = folder_with_bad
+    dataset = ImageFolderDataset(root)
+    index = dataset.paths.index(str(bad))
+    held = [dataset.paths.index(str(root / "b" / f"{i}.png")) for i in (0, 2)]  # held out: not the subset's
+    training = LabelledSubset(dataset, [i for i in range(len(dataset)) if i not in held])
+    position = int(np.flatnonzero(training.indices == index)[0])
+    choices = set()
+    for epoch in range(12):
+        training.set_epoch(epoch)
+        choices.add(int(np.asarray(training[position][0])[0, 0, 0]))
+    assert choices == {40 + 10 * 3}  # the one other training image of class "b"
+    alone = LabelledSubset(dataset, [0, index])  # no other member of class "b" in the subset: nothing to use
+    alone.set_epoch(0)
+    with pytest.raises(ImageLoadError, match=r"no loadable replacement among 0 other member\(s\) of class 1"):
+        alone[1]
+
+
 def test_bad_image_raise_policy_and_no_replacement_left(folder_with_bad):
     root, bad = folder_with_bad
     dataset = ImageFolderDataset(root, on_bad="raise")

@@ -167,3 +167,55 @@ def _shop(datasets_path: Path) -> Path:
     if not mount.exists():
         shutil.copytree(datasets_path / "photos", mount / "shop" / "photos")
     return mount
+
+
+def test_a_heldout_images_that_holds_out_nothing_is_said():
+    """data.heldout_images on classes of one image each held out nothing and the image-level metrics were just
+    absent; a class keeps its last image, so the warning names the cause."""
+    single = load_config(None, [*TINY, "data.args={num_classes: 24, images_per_class: 1, image_size: 32}",
+                                "data.heldout_images=2"])
+    gaps = split_gaps(build_data(single), single.data)
+    assert len(gaps) == 1 and gaps[0].startswith("data.heldout_images=2: every training class has a single image")
+    several = load_config(None, [*TINY, "data.heldout_images=2"])
+    assert split_gaps(build_data(several), several.data) == []
+
+
+def test_a_sampler_refusal_caused_by_heldout_images_names_it(tmp_path):
+    """Six images a class, five held out, K = 3 under small_classes: drop: the sampler's 'not enough classes' did
+    not say that data.heldout_images took the images it counted."""
+    from pksampler.train.run_setup import assemble
+    from pksampler.train.runtime.distributed import Backend
+
+    config = load_config(None, [*TINY, "data.heldout_images=5", "sampler.args={small_classes: drop}",
+                                f"workspace={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^sampler: not enough classes.*\(data\.heldout_images=5 keeps \d+ images "
+                                          r"of the training classes out of training") as caught:
+        assemble(config, Backend())
+    assert "\n" not in str(caught.value)
+    plain = load_config(None, [*TINY, "sampler.samples_per_class=7", "sampler.args={small_classes: drop}",
+                               "optim.base_batch=28", f"workspace={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"^sampler: not enough classes") as caught:
+        assemble(plain, Backend())
+    assert "heldout_images" not in str(caught.value)
+
+
+def test_a_folder_class_that_gains_photos_is_not_queried_with_images_trained_on(tmp_path):
+    """Week 2 adds a photo sorting first to every week-1 class: no week-2 image-level query is a week-1 training
+    image (keyed by position, most classes' held-out images moved onto trained ones)."""
+    from tiny_runs import grown_folders
+
+    week1, week2 = grown_folders(tmp_path)
+    for folder in week2.iterdir():
+        first = sorted(folder.iterdir())[0]
+        (folder / f"-new{first.suffix}").write_bytes(first.read_bytes())  # sorts before 00000.png
+
+    def parts(root):
+        config = load_config(None, [*TINY, "data.name=folder", "data.args={}", f"data.root={root}",
+                                    "data.split_by=name", "data.heldout_images=2"])
+        data = build_data(config)
+        name = lambda i: str(Path(data.dataset.paths[i]).relative_to(root))  # noqa: E731
+        return {name(i) for i in data.train.indices}, {name(i) for i in data.heldout}
+
+    trained1, _ = parts(week1)
+    _, held2 = parts(week2)
+    assert held2 and not held2 & trained1

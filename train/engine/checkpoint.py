@@ -83,7 +83,10 @@ def load_checkpoint(path: str | os.PathLike, *, mmap: bool = False) -> dict[str,
     reads only those pages (``train.init_from``)."""
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
+        if not path.exists():
+            raise CheckpointError(f"checkpoint not found: {path}")
+        what = "a directory" if path.is_dir() else "not a regular file (a FIFO, socket or device)"
+        raise CheckpointError(f"checkpoint {path} is {what}: name the checkpoint file itself")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:

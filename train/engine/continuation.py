@@ -16,7 +16,10 @@ code, since codes follow the sorted names and shift as classes come and go:
   (an SGD step turns a row by about lr/‖w‖²). Each rank embeds the images of
   the new classes in its own row range and sums them in float64 in blocks: no
   rank holds more than one block of embeddings, and the rows are the same at
-  every world size (up to float summation order). ``train.init_rows: random``
+  every world size (up to float summation order). With a BNNeck the images go
+  through the neck under the statistics of a fixed sample of the training
+  images (:func:`neck_statistics`), not a block's own: a block may hold one
+  class, or one image, and differs with the world size. ``train.init_rows: random``
   leaves the new rows at the head's initial draw instead (a comparison arm);
   a new class without training images (a held-out class) keeps that draw too;
 * classes the saved run had and today's set lacks are dropped.
@@ -33,6 +36,7 @@ or a copy per host).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -41,22 +45,42 @@ import torch
 from torch.nn import functional as F
 
 from pksampler.datasets import LabelledSubset
-from pksampler.train.engine.checkpoint import CheckpointError, check_training_checkpoint, load_checkpoint
+from pksampler.train.engine.checkpoint import (CheckpointError, check_training_checkpoint, count_non_finite,
+                                              load_checkpoint)
 from pksampler.train.errors import ConfigError
 from pksampler.train.evaluation.heldout import embed_rows
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.modeling.sharded_head import INIT_STD, ShardedMarginHead
 
-__all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes"]
+__all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes",
+           "neck_statistics", "recorded_known"]
+
+#: the resume's advice that ends a checkpoint's refusal (:mod:`.checkpoint`), cut from train.init_from's
+_RESUME_ADVICE = re.compile(r"[.:;]? *(Delete it or )?start afresh with --no-resume or another WORKSPACE$")
 
 #: training images embedded per block while imprinting (bounds a rank's memory at BLOCK × D floats)
 IMPRINT_BLOCK = 1024
 
 
-def class_record(names: Sequence[str], train_labels: np.ndarray) -> dict[str, Any]:
-    """What a checkpoint records of its classes: every name by code, and the codes it trained on."""
-    return {"names": [str(name) for name in names],
-            "trained": torch.from_numpy(np.unique(np.asarray(train_labels)).astype(np.int64))}
+def class_record(names: Sequence[str], train_labels: np.ndarray, known: np.ndarray | None = None) -> dict[str, Any]:
+    """What a checkpoint records of its classes: every name by code, and the codes it trained on; for a continued
+    run, ``known`` too (per code: whether the run it continued from trained on it), so that a resume of it keeps
+    reporting the image-level metrics of known and new classes apart without reading that run again."""
+    record: dict[str, Any] = {"names": [str(name) for name in names],
+                              "trained": torch.from_numpy(np.unique(np.asarray(train_labels)).astype(np.int64))}
+    if known is not None:
+        record["known"] = torch.from_numpy(np.asarray(known, dtype=bool).copy())
+    return record
+
+
+def recorded_known(state: dict[str, Any] | None, classes: int) -> np.ndarray | None:
+    """The ``known`` mask a resumed checkpoint's class record holds (:func:`class_record`); None when it holds none
+    or one that does not fit ``classes`` codes."""
+    record = state.get("classes") if isinstance(state, dict) else None
+    known = record.get("known") if isinstance(record, dict) else None
+    if not isinstance(known, torch.Tensor) or known.dtype != torch.bool or tuple(known.shape) != (classes,):
+        return None
+    return known.numpy().copy()
 
 
 @dataclass(frozen=True)
@@ -103,6 +127,8 @@ class Continuation:
     known: np.ndarray
     #: training classes of the saved run that are held-out classes today
     now_held_out: int
+    #: whether the saved run had a head (without one, every row of this run's head is new)
+    saved_head: bool = True
 
     def line(self) -> str:
         """The one start-up line: kept, added, dropped, how the new rows began, what was reset and why."""
@@ -113,6 +139,12 @@ class Continuation:
                    else "random rows")
             classes = (f"classes kept {self.match.kept:,}, added {self.match.added:,} ({how}), "
                        f"dropped {self.match.dropped:,}")
+            if not self.saved_head:
+                classes = (f"the saved run had no head, every row is new ({how}); classes it knew by name "
+                           f"{self.match.kept:,}, added {self.match.added:,}, dropped {self.match.dropped:,}")
+        if self.match is not None and not self.match.kept and self.match.dropped:
+            classes += ("; no class name matched the saved run's (joining datasets names each class "
+                        "<dataset>/<class>, so a set that joins others or leaves them renames every class)")
         leak = (f"; {self.now_held_out:,} classes it trained on are held out now (their class-disjoint metrics "
                 "overstate: data.split_by: name keeps each class on its side)" if self.now_held_out else "")
         return (f"[pksampler] init_from {self.path}: {classes}; optimizer state and row momentum reset (a new run "
@@ -124,21 +156,47 @@ def _read(path: str) -> dict[str, Any]:
     try:
         state = load_checkpoint(path, mmap=True)
         check_training_checkpoint(state, path)
-    except CheckpointError as error:
-        raise ConfigError(f"train.init_from: {error}") from None
+    except CheckpointError as error:  # its advice is a resume's: the continued run's workspace is not at fault
+        reason = _RESUME_ADVICE.sub("", str(error))
+        raise ConfigError(f"train.init_from: {reason}; continue from another checkpoint") from None
     record = state.get("classes")
     if not isinstance(record, dict) or not isinstance(record.get("names"), list):
         raise ConfigError(f"train.init_from: {path} records no class names (written before checkpoints kept them); "
                           "classes are matched by name, never by code: continue from a newer checkpoint")
+    _check_record(record, state["loss"].get("head"), path)
+    bad = count_non_finite(state["model"])
+    if bad:
+        raise ConfigError(f"train.init_from: {path} holds {bad} NaN or infinite model value(s) (a run that "
+                          "diverged): continue from an earlier checkpoint of it")
     return state
 
 
-def _load_model(model: torch.nn.Module, saved: dict[str, Any], path: str) -> None:
+def _check_record(record: dict[str, Any], head: Any, path: str) -> None:
+    """Refuse a class record that cannot be matched by name: names that are not distinct strings, trained codes
+    outside them, or a head whose rows are not one (subcentres, dimension) float block per name."""
+    names, trained = record["names"], record.get("trained", torch.zeros(0, dtype=torch.int64))
+    problem = None
+    if not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
+        problem = "its class names are not distinct strings"
+    elif not isinstance(trained, torch.Tensor) or trained.dtype != torch.int64 or trained.dim() != 1 or (
+            trained.numel() and not (0 <= int(trained.min()) and int(trained.max()) < len(names))):
+        problem = f"its trained classes are not codes of its {len(names):,} names"
+    elif head is not None and not (isinstance(head, dict) and isinstance(head.get("rows"), torch.Tensor)
+                                   and head["rows"].is_floating_point() and head["rows"].dim() == 3
+                                   and head["rows"].shape[0] == len(names)):
+        problem = f"its head's rows are not one (subcentres, dimension) block for each of its {len(names):,} names"
+    if problem is not None:
+        raise ConfigError(f"train.init_from: {path}: {problem}; the file is damaged or not a pksampler training "
+                          "checkpoint")
+
+
+def _load_model(model: torch.nn.Module, saved: Any, path: str, part: str = "model.* keys") -> None:
+    """``saved`` into ``model``, or one line naming the part (``part``) that does not fit."""
     try:
         model.load_state_dict(saved)
-    except RuntimeError as error:
+    except (RuntimeError, TypeError, AttributeError) as error:
         reason = " ".join(str(error).split())[:240]
-        raise ConfigError(f"train.init_from: {path}: its model does not fit this run's model.* keys ({reason}); "
+        raise ConfigError(f"train.init_from: {path}: its model does not fit this run's {part} ({reason}); "
                           "continue with the architecture it was trained with") from None
 
 
@@ -153,7 +211,11 @@ def _load_kept_rows(head: ShardedMarginHead, saved_head: dict[str, Any] | None, 
             raise ConfigError(f"train.init_from: {path}: its head rows are {tuple(rows.shape[1:])} (subcentres, "
                               f"dimension), this run's ({head.subcentres}, {head.dim}): head.subcentres and "
                               "model.embedding_dim must match")
-        head.rows[torch.from_numpy(kept)] = rows[torch.from_numpy(local[kept])].to(head.rows)
+        taken = rows[torch.from_numpy(local[kept])]
+        if not torch.isfinite(taken).all():
+            raise ConfigError(f"train.init_from: {path}: its head holds NaN or infinite rows (a run that "
+                              "diverged): continue from an earlier checkpoint of it")
+        head.rows[torch.from_numpy(kept)] = taken.to(head.rows)
     elif saved_head is None:
         kept = np.zeros(0, dtype=np.int64)
     return torch.from_numpy(np.setdiff1d(np.arange(local.size), kept))
@@ -193,6 +255,46 @@ def imprint_rows(head: ShardedMarginHead, embed: Callable[[np.ndarray], torch.Te
     return int(imprinted.numel()), int(items.size)
 
 
+def neck_statistics(embed: Callable[[np.ndarray], torch.Tensor], count: int, dim: int, backend: Any,
+                    device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-feature mean and biased variance (float64) of the ``dim``-wide embeddings of a fixed sample of the
+    ``count`` training items: at most :data:`IMPRINT_BLOCK`, evenly spaced, split over the ranks and summed.
+
+    The BNNeck normalises a training step's global batch of many classes; a rank's block of new images may hold
+    one class, or one image, so imprinting normalises under these statistics instead: the same on every rank and
+    at every world size (up to float summation order). ``device``: where the collective sums."""
+    sample = np.unique(np.linspace(0, count - 1, min(count, IMPRINT_BLOCK)).round().astype(np.int64))
+    mine = sample[backend.rank::backend.size]
+    sums = torch.zeros(3, dim, dtype=torch.float64)
+    if mine.size:
+        features = embed(mine).double().cpu()
+        sums[0], sums[1], sums[2] = features.sum(0), (features * features).sum(0), float(mine.size)
+    if backend.size > 1:
+        sums = backend.allreduce_sum(sums.to(device)).cpu()
+    mean = sums[0] / sums[2]
+    return mean, (sums[1] / sums[2] - mean * mean).clamp_min(0.0)
+
+
+def _imprint(model: torch.nn.Module, loss_fn: HeadedLoss, plain_train: LabelledSubset, view: Any, backend: Any,
+             train_labels: np.ndarray, new_local: torch.Tensor, length: float) -> tuple[int, int]:
+    """Imprint the new rows of every rank (through the neck under :func:`neck_statistics` where there is one);
+    (rows imprinted, images embedded) over all ranks."""
+    def embedded(block: np.ndarray) -> torch.Tensor:
+        return embed_rows(model, plain_train, block, backend, 128, 0, view)
+
+    with torch.no_grad():
+        stats = (neck_statistics(embedded, len(train_labels), loss_fn.head.dim, backend, loss_fn.head.rows.device)
+                 if loss_fn.neck is not None and len(train_labels) else None)
+
+        def embed(block: np.ndarray) -> torch.Tensor:
+            return embedded(block) if stats is None else loss_fn.neck.fixed(embedded(block), *stats)
+
+        counts = np.array(imprint_rows(loss_fn.head, embed, train_labels, new_local, length=length), dtype=np.int64)
+    if backend.size > 1:
+        counts = backend.allgather_numpy(counts).sum(axis=0)
+    return int(counts[0]), int(counts[1])
+
+
 def _raise(error: Exception | None) -> None:
     if error is not None:
         raise error
@@ -210,7 +312,7 @@ def _take_saved(path: str, model: torch.nn.Module, loss_fn: Any, names: Sequence
         return record, match, None, False
     saved_loss = state["loss"]
     if loss_fn.neck is not None and "neck" in saved_loss:
-        loss_fn.neck.load_state_dict(saved_loss["neck"])
+        _load_model(loss_fn.neck, saved_loss["neck"], path, "head.bnneck's neck")
     saved_head = saved_loss.get("head")
     return record, match, _load_kept_rows(loss_fn.head, saved_head, match.saved_of, path), saved_head is not None
 
@@ -238,17 +340,7 @@ def continue_from(path: str, *, model: torch.nn.Module, loss_fn: Any, names: Seq
         return Continuation(path, None, 0, 0, rows, known, now_held_out)
     imprinted = images = 0
     if rows == "imprint":
-        head = loss_fn.head
-        length = _mean_length(head, known if saved_has_head else np.zeros_like(known), backend)
-
-        def embed(block: np.ndarray) -> torch.Tensor:
-            out = embed_rows(model, plain_train, block, backend, 128, 0, view)
-            return loss_fn.neck(out) if loss_fn.neck is not None else out  # the block's statistics: no running ones
-
-        with torch.no_grad():
-            counts = np.array(imprint_rows(head, embed, np.asarray(train_labels), new_local, length=length),
-                              dtype=np.int64)
-        if backend.size > 1:
-            counts = backend.allgather_numpy(counts).sum(axis=0)
-        imprinted, images = (int(v) for v in counts)
-    return Continuation(path, match, imprinted, images, rows, known, now_held_out)
+        length = _mean_length(loss_fn.head, known if saved_has_head else np.zeros_like(known), backend)
+        imprinted, images = _imprint(model, loss_fn, plain_train, view, backend, np.asarray(train_labels), new_local,
+                                     length)
+    return Continuation(path, match, imprinted, images, rows, known, now_held_out, saved_has_head)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 __all__ = ["BNNeck"]
 
@@ -48,3 +49,11 @@ class BNNeck(nn.Module):
             raise ValueError(f"head.bnneck: the neck normalises over the batch and needs at least 2 embeddings, "
                              f"got {embeddings.shape[0]}")
         return self.norm(embeddings)
+
+    def fixed(self, embeddings: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        """The neck under given statistics (per-feature ``mean`` and biased ``var``), for any number of rows.
+
+        Imprinting a continued run's new rows (``train.init_from``) embeds the new classes' images rank by rank
+        in blocks: the block's own statistics would depend on the world size and fail on a block of one."""
+        return F.batch_norm(embeddings, mean.to(embeddings), var.to(embeddings), self.norm.weight, self.norm.bias,
+                            training=False, eps=self.norm.eps)
