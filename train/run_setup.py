@@ -23,7 +23,6 @@ Horovod elastic); every step below asks that mode and none branches on it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -161,7 +160,7 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
             config, backend, loss_fn, num_classes=int(np.asarray(data.dataset.labels).max()) + 1,
             global_batch=global_batch, row_optimizer=SparseRowSGD,
             grad_divisor=backend.gathered_loss_scale if backend.size > 1 else 1.0,
-            gathered=config.train.gather_embeddings, local_ranks=_local_ranks(), elastic=mode.keeps_commits)
+            gathered=config.train.gather_embeddings, local_ranks=backend.local_size, elastic=mode.keeps_commits)
         row_optimizers, shared = (loss_fn.row_optimizer,), (loss_fn,)  # the head's rows: a share of the world
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
@@ -184,14 +183,6 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
         row_optimizers=row_optimizers, shared=shared, clip_grad_norm=config.optim.clip_grad_norm,
     )
-
-
-def _local_ranks() -> int:
-    """Ranks on this host, from the launcher (torchrun, Horovod, Open MPI); 1 when none says."""
-    for key in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit():
-            return max(1, int(os.environ[key]))
-    return 1
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
@@ -274,7 +265,7 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
         hooks += mode.main_only([lambda: HeadStallHook(lambda: headed.head.last_softmax_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
-    if backend.size > 1 and running_statistics(parts.model):  # before the epoch's checkpoint and evaluation
+    if running_statistics(parts.model):  # before the epoch's checkpoint and evaluation; at W = 1 the mean is itself
         hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean, lambda: backend.world))
     hooks += [
         checkpoints,
