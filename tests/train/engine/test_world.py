@@ -172,7 +172,7 @@ def test_the_static_mode_checks_now_and_the_elastic_mode_in_every_new_world():
     assert static.is_main() and elastic.is_main()
     backend.set_world(World(rank=1, size=2))
     assert not static.is_main() and not elastic.is_main()  # always asked, never a fixed flag
-    assert elastic.world_may_change and not static.world_may_change
+    assert elastic.keeps_commits and not static.keeps_commits
 
 
 def test_the_main_rank_hooks_follow_the_mode():
