@@ -294,23 +294,12 @@ class _Plan:
 
 
 def sharded_retrieval(
-    embeddings: Any,
-    labels: Any,
-    ids: Any,
-    *,
-    query_ids: Any = None,
-    ks: Sequence[int] = (1, 5, 10),
-    metric: str = "cosine",
-    neighbour_ids: Any = None,
-    num_neighbours: int = 5,
-    index: str = "flat",
-    nlist: int | None = None,
-    nprobe: int = 16,
-    check_queries: int = 2000,
-    seed: int = 0,
-    chunk_size: int | None = None,
-    max_neighbours_per_chunk: int = 1 << 22,
-    collectives: Any = None,
+    embeddings: Any, labels: Any, ids: Any, *,
+    query_ids: Any = None, ks: Sequence[int] = (1, 5, 10), metric: str = "cosine",
+    neighbour_ids: Any = None, num_neighbours: int = 5,
+    index: str = "flat", nlist: int | None = None, nprobe: int = 16, check_queries: int = 2000, seed: int = 0,
+    chunk_size: int | None = None, max_neighbours_per_chunk: int = 1 << 22,
+    collectives: Collectives | None = None,
 ) -> ShardedResult:
     """Recall@k, precision@1, R-precision and MAP@R of a gallery spread over the ranks, searched where it lies.
 
@@ -350,16 +339,11 @@ def sharded_retrieval(
     """
     collectives = started_collectives("sharded_retrieval") if collectives is None else collectives
     chunk_size = chunk_size if chunk_size is not None else (4096 if index == "flat" else 1 << 18)
-    # Every rank validates, then the outcome travels in the agreement collective: a bad input on one
-    # rank raises the same ValueError on every rank instead of leaving the others in a collective.
-    error, ks, query_ids, neighbour_ids, (shard, labels, ids) = _validate_locally(
-        embeddings, labels, ids, query_ids=query_ids, neighbour_ids=neighbour_ids, ks=ks, metric=metric,
-        index=index, nlist=nlist, options=dict(num_neighbours=num_neighbours, chunk_size=chunk_size, nprobe=nprobe,
-                                               check_queries=check_queries,
-                                               max_neighbours_per_chunk=max_neighbours_per_chunk))
-    _agree(collectives, error, query_ids, neighbour_ids, shard.shape[1], ks=ks, metric=metric,
-           num_neighbours=num_neighbours, chunk_size=chunk_size, budget=max_neighbours_per_chunk, index=index,
-           nlist=nlist, nprobe=nprobe, check=check_queries, seed=seed)
+    options = dict(ks=ks, metric=metric, num_neighbours=num_neighbours, chunk_size=chunk_size,
+                   budget=max_neighbours_per_chunk, index=index, nlist=nlist, nprobe=nprobe, check=check_queries,
+                   seed=seed)
+    ks, query_ids, neighbour_ids, (shard, labels, ids) = _agreed_input(collectives, embeddings, labels, ids,
+                                                                        query_ids, neighbour_ids, options)
     plan = _Plan(ks, num_neighbours, chunk_size, max_neighbours_per_chunk)
     exact = _exact_search(shard, ids, metric)
     if index == "flat":
@@ -367,6 +351,23 @@ def sharded_retrieval(
     search, moved = _ivf_search(collectives, shard, ids, metric, nlist=nlist, nprobe=nprobe, seed=seed)
     result = _evaluate(collectives, shard, labels, ids, query_ids, neighbour_ids, search, plan, metric)
     return _certified(collectives, result, shard, labels, ids, exact, plan, metric, check_queries, seed, moved)
+
+
+def _agreed_input(collectives: Collectives, embeddings: Any, labels: Any, ids: Any, query_ids: Any,
+                  neighbour_ids: Any, options: dict[str, Any]) -> tuple[tuple[int, ...], Any, Any, tuple]:
+    """This rank's checked input (ks, query ids, neighbour ids, (shard, labels, ids)) once every rank checked its own.
+
+    Every rank validates, then the outcome travels in the agreement collective (:func:`_agree`): a bad input on
+    one rank raises the same ValueError on every rank instead of leaving the others in a collective.
+    """
+    error, ks, query_ids, neighbour_ids, shard = _validate_locally(
+        embeddings, labels, ids, query_ids=query_ids, neighbour_ids=neighbour_ids, ks=options["ks"],
+        metric=options["metric"], index=options["index"], nlist=options["nlist"],
+        options=dict(num_neighbours=options["num_neighbours"], chunk_size=options["chunk_size"],
+                     nprobe=options["nprobe"], check_queries=options["check"],
+                     max_neighbours_per_chunk=options["budget"]))
+    _agree(collectives, error, query_ids, neighbour_ids, shard[0].shape[1], **{**options, "ks": ks})
+    return ks, query_ids, neighbour_ids, shard
 
 
 def _validate_locally(embeddings: Any, labels: Any, ids: Any, *, query_ids: Any, neighbour_ids: Any,
