@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from pksampler.agree import gather_outcomes
 from pksampler.comm import Collectives, sum_gradient, sum_over_ranks
 from pksampler.hashing import splitmix64
 from pksampler.samplers import rank_share
@@ -132,8 +133,7 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
     total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
     where = "on this host"
     if collectives is not None and collectives.size > 1:
-        row = np.array([total, -1 if available is None else available], dtype=np.int64)
-        rows = np.asarray(collectives.allgather_numpy(row)).reshape(-1, 2)
+        rows = gather_outcomes(collectives, None, [total, -1 if available is None else available]).values
         short = [(int(a) - int(t), rank) for rank, (t, a) in enumerate(rows) if a >= 0 and t > a]
         if not short:
             return

@@ -53,6 +53,9 @@ class Member:
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.group._exchange(self.rank, tensor))
 
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
+        return self.allgather(torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64))[None]).numpy()
+
 
 def run_ranks(world: int, work) -> list:
     """``work(collectives)`` on ``world`` threaded ranks; their results in rank order (an error re-raised)."""
