@@ -177,17 +177,27 @@ def detect_world() -> tuple[int, int, int, int, str] | None:
     environment"``). The local rank and the ranks per host come from Horovod
     when it runs, else from the launcher.
     """
-    found = launcher_world()
-    local, local_size = (found[2] if found is not None else 0), launcher_local_size()
     hvd = initialised_horovod()
-    if hvd is not None:
+    if hvd is not None:  # the launcher's environment is not read: Horovod knows all four
         return int(hvd.rank()), int(hvd.size()), int(hvd.local_rank()), int(hvd.local_size()), "Horovod"
     dist = initialised_torch_distributed()
-    if dist is not None:
-        return int(dist.get_rank()), int(dist.get_world_size()), local, local_size, "torch.distributed"
+    if dist is not None:  # the rank is the process group's; only the host's share comes from the environment
+        return (int(dist.get_rank()), int(dist.get_world_size()), _environment_local_rank(), launcher_local_size(),
+                "torch.distributed")
+    found = launcher_world()
     if found is None:
         return None
-    return found[0], found[1], local, local_size, "the launcher's environment"
+    return found[0], found[1], found[2], launcher_local_size(), "the launcher's environment"
+
+
+def _environment_local_rank() -> int:
+    """The first integer local rank a launcher set (:data:`LAUNCHER_ENVIRONMENT`'s order), else 0; never raises:
+    under a running process group the rank does not depend on it."""
+    for _, _, key in LAUNCHER_ENVIRONMENT:
+        value = _as_int(os.environ.get(key, ""))
+        if value is not None and value >= 0:
+            return value
+    return 0
 
 
 def world_info() -> tuple[int, int]:
