@@ -11,15 +11,17 @@ the ones a killed process left behind.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, BinaryIO, Iterator
 
-__all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_writer", "lock_exclusively", "parse_bytes",
-           "remove_stale_temporaries"]
+__all__ = ["LockFileError", "atomic_write_bytes", "atomic_write_text", "atomic_writer", "lock_exclusively",
+           "parse_bytes", "remove_stale_temporaries"]
 
 _SUFFIX = ".tmp"
 
@@ -81,6 +83,38 @@ def remove_stale_temporaries(folder: str | os.PathLike, name: str | None = None)
     return removed
 
 
+class LockFileError(ValueError):
+    """A lock file's path holds something that is not a regular file (a link, a FIFO, a folder): one line naming it."""
+
+
+def _open_lock_file(path: str | os.PathLike) -> IO[str]:
+    """``path`` opened for reading and writing, created if absent, refusing anything but a regular file.
+
+    The lock file is truncated and written: a symbolic link planted in its
+    place would have the holder's line written into the file it points to,
+    and a FIFO or a folder cannot be truncated. ``O_NOFOLLOW`` refuses a link,
+    ``O_NONBLOCK`` keeps a FIFO from blocking the open, ``fstat`` on the open
+    descriptor decides the rest.
+    """
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        descriptor = os.open(path, flags, 0o644)
+    except OSError as error:
+        if error.errno not in (errno.ELOOP, errno.EISDIR):
+            raise
+        kind = "a symbolic link" if os.path.islink(path) else "a folder"
+        raise LockFileError(f"{os.fspath(path)} is {kind}, not a regular file: it cannot be used as a lock file; "
+                            "remove it") from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device or special file"
+        raise LockFileError(f"{os.fspath(path)} is {kind}, not a regular file: it cannot be used as a lock file; "
+                            "remove it")
+    os.set_blocking(descriptor, True)
+    return os.fdopen(descriptor, "r+", encoding="utf-8")
+
+
 def lock_exclusively(path: str | os.PathLike, holder: str, *,
                      unknown: str = "another process") -> tuple[IO[str] | None, str]:
     """Take a non-blocking ``flock`` on ``path`` and write ``holder`` into it.
@@ -89,8 +123,11 @@ def lock_exclusively(path: str | os.PathLike, holder: str, *,
     lock is held; the kernel releases it when the process dies), else
     ``(None, what the file names as the current holder)`` so the caller can
     raise its own error naming it.
+
+    Raises:
+        LockFileError: ``path`` is a symbolic link, a FIFO, a folder or another non-regular file.
     """
-    handle = open(path, "a+", encoding="utf-8")
+    handle = _open_lock_file(path)
     try:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -144,7 +144,7 @@ class StepPlanSampler:
         framework's re-sharding wrapper or with a world size that the live
         process group contradicts (see :mod:`._guard`).
         """
-        check_not_resharded(self._owner)
+        check_not_resharded(self._owner, len(self))  # type: ignore[arg-type]
         if self._detected_world:
             check_world_still_holds(self.num_replicas, self.rank, owner=self._owner)
         epoch, start, stop = self.epoch, self._resume_step, self.num_batches

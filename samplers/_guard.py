@@ -14,8 +14,9 @@
    the dispatcher does so on every rank but iterates on rank 0 only, so every
    rank must refuse there) it raises :class:`SamplerSetupError` naming the
    setting that leaves it alone. Besides the classes it knows by name it
-   recognises the behaviour: any ``DistributedSampler`` of more than one
-   replica iterating this sampler keeps every W-th index of its stream.
+   recognises the behaviour: a ``DistributedSampler`` of more than one
+   replica whose ``__iter__`` iterates this sampler and whose length is
+   shorter than the sampler's keeps a share of its stream.
 2. **A world detected too early.** A sampler built before the process group
    exists (Lightning starts it inside ``fit()``) may have found "rank 0 of 1"
    on a rank of a larger world. When the rank and world size were detected,
@@ -69,46 +70,62 @@ class SamplerSetupError(RuntimeError):
     """A sampler used in a way that would silently break its P x K batches; the message names the fix."""
 
 
-def _wrapper_fix(obj: object) -> tuple[str, str] | None:
-    """``(wrapper's name, fix)`` when ``obj`` is a known re-sharding wrapper or behaves as one, else None."""
+def _wrapper_fix(obj: object, method: str, length: int | None) -> tuple[str, str] | None:
+    """``(wrapper's name, fix)`` when ``obj`` (running ``method``) is a known re-sharding wrapper or behaves as one,
+    else None."""
     cls = type(obj)
     module = getattr(cls, "__module__", "") or ""
     for (prefixes, name), found in _WRAPPERS.items():
         if cls.__name__ == name and module.split(".")[0] in prefixes:
             return found
-    return _resharding_by_behaviour(obj, module)
+    return _resharding_by_behaviour(obj, module, method, length)
 
 
-def _resharding_by_behaviour(obj: object, module: str) -> tuple[str, str] | None:
-    """A ``DistributedSampler`` of W > 1 replicas above this sampler's iterator: it keeps every W-th index."""
+def _resharding_by_behaviour(obj: object, module: str, method: str, length: int | None) -> tuple[str, str] | None:
+    """A ``DistributedSampler`` of W > 1 replicas whose ``__iter__`` iterates this sampler (of ``length`` items)
+    and whose own length is shorter: it keeps a share of the stream.
+
+    Both conditions are what a re-sharding wrapper does (torch's, ignite's,
+    catalyst's report ``ceil(length / W)``); a subclass that passes the whole
+    stream on (its ``len`` is the sampler's), or user code that merely runs
+    inside another method of a ``DistributedSampler``, is left alone.
+    """
     from torch.utils.data import DistributedSampler
 
     replicas = getattr(obj, "num_replicas", None)
-    if module.split(".")[0] == "pksampler" or not isinstance(obj, DistributedSampler) \
+    if method != "__iter__" or module.split(".")[0] == "pksampler" or not isinstance(obj, DistributedSampler) \
             or not isinstance(replicas, int) or replicas < 2:
+        return None
+    try:
+        kept = len(obj)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - a wrapper without a usable length: judged by its kind alone
+        kept = None
+    if length is not None and isinstance(kept, int) and kept >= length:
         return None
     name = f"{module}.{type(obj).__qualname__}" if module else type(obj).__qualname__
     return f"{name}, a DistributedSampler of {replicas} replicas iterating it (it keeps one index in {replicas})", \
         _UNWRAPPED_FIX
 
 
-def resharding_wrapper(skip: int = 1) -> tuple[str, str] | None:
-    """The re-sharding wrapper found in the calling frames (``(name, fix)``), or None."""
+def resharding_wrapper(skip: int = 1, length: int | None = None) -> tuple[str, str] | None:
+    """The re-sharding wrapper found in the calling frames (``(name, fix)``), or None; ``length`` is the
+    sampler's own ``len`` (a wrapper at least as long passes the whole stream on)."""
     frame = sys._getframe(skip + 1)
     for _ in range(_DEPTH):
         if frame is None:
             return None
         owner = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        found = _wrapper_fix(owner) if owner is not None else None
+        found = _wrapper_fix(owner, frame.f_code.co_name, length) if owner is not None else None
         if found is not None:
             return found
         frame = frame.f_back
     return None
 
 
-def check_not_resharded(owner: str) -> None:
-    """Raise :class:`SamplerSetupError` when a framework's re-sharding wrapper is iterating this sampler."""
-    found = resharding_wrapper(skip=2)
+def check_not_resharded(owner: str, length: int | None = None) -> None:
+    """Raise :class:`SamplerSetupError` when a framework's re-sharding wrapper is iterating this sampler
+    (``length``: the sampler's ``len``)."""
+    found = resharding_wrapper(skip=2, length=length)
     if found is not None:
         wrapper, fix = found
         raise SamplerSetupError(

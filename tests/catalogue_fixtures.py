@@ -14,12 +14,17 @@ from pksampler.train.engine.checkpoint import save_checkpoint
 from pksampler.train.modeling.model import build_model
 
 
-def make_checkpoint(path: Path, *, image_size: int = 24, embedding_dim: int = 16, seed: int = 0) -> Path:
-    """A training checkpoint (model tensors and config) of a small demo network with seeded random weights."""
+def make_checkpoint(path: Path, *, image_size: int = 24, embedding_dim: int = 16, seed: int = 0,
+                    neck: str = "none") -> Path:
+    """A training checkpoint (model tensors and config) of a small demo network with seeded random weights
+    (a ``batch`` neck with running statistics a training would have left)."""
     config = build_config({"data": {"image_size": image_size},
-                           "model": {"width": 8, "depth": [1, 1], "embedding_dim": embedding_dim}})
+                           "model": {"width": 8, "depth": [1, 1], "embedding_dim": embedding_dim, "neck": neck}})
     torch.manual_seed(seed)
     model = build_model(config.model, image_size=image_size)
+    if neck == "batch":
+        model.neck.running_mean.normal_(0.0, 0.1)
+        model.neck.running_var.uniform_(0.01, 0.05)
     save_checkpoint(path, {"format": 2, "config": config.to_dict(), "model": model.state_dict()})
     return path
 

@@ -63,5 +63,8 @@ def import_timm() -> Any:
         _reference_torchvision()
         importlib.import_module("torchvision.ops.misc")
     if importlib.util.find_spec("timm") is None:
+        if not (REFERENCE / "timm" / "timm" / "__init__.py").is_file():
+            raise ImportError(f"timm's code is in neither the environment nor {REFERENCE / 'timm'}: run "
+                              "./scripts/setup.sh")
         sys.path.append(str(REFERENCE / "timm"))
     return importlib.import_module("timm")

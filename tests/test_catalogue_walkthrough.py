@@ -48,8 +48,15 @@ def test_the_walkthrough_runs_as_written(tmp_path):
     assert meta["kind"] == "flat" and meta["certificate"]["recall_at_1"] == 1.0
     lines = [json.loads(line) for line in (work / "query" / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 6 and all(len(line["results"]) == 5 for line in lines)
-    # a trained model finds the scanned product among 48: most first results are of the query's class
-    assert sum(line["results"][0]["class"] == line["query_class"] for line in lines) >= 4, lines
+    # A trained model finds the scanned product among 48. Six scans are too few to judge "first" tightly: this
+    # small model ranks the scanned product first for 74-88 % of all 96 scans across Pillow versions and seeds
+    # (2 of 480 rendered images differ between Pillow 11 and 12), so "4 of 6 first" failed one run in five. The
+    # gallery shows five results, and the product is among them for 94-100 % of scans: 4 of 6 holds with
+    # probability 0.996 at 94 % and 0.001 for an untrained model (5 of 48 images); 2 of 6 first holds with
+    # probability 0.99 at 74 % and 0.006 by chance (1 of 48).
+    among_five = sum(any(r["class"] == line["query_class"] for r in line["results"]) for line in lines)
+    first = sum(line["results"][0]["class"] == line["query_class"] for line in lines)
+    assert among_five >= 4 and first >= 2, lines
     with Image.open(work / "query" / "gallery.png") as gallery:
         assert gallery.height > 6 * 96
     print(output[-3000:])

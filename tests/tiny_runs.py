@@ -31,3 +31,15 @@ def grown_folders(root) -> tuple:
             for image in (root / "all" / name).iterdir():
                 (out / name / image.name).write_bytes(image.read_bytes())
     return folders
+
+
+def folder_keys() -> list[str]:
+    """configs/folder.yaml's model, loss and head blocks as ``--set`` overrides (its recipe on other data)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    tree = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "folder.yaml").read_text())
+    return [f"{block}.{key}={json.dumps(value)}" for block in ("model", "loss", "head")
+            for key, value in tree[block].items()]

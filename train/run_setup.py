@@ -72,6 +72,7 @@ from pksampler.train.config.schema import RunConfig, TrainConfig
 from pksampler.train.engine.tensorboard import TensorBoardWriter, available as tensorboard_available
 from pksampler.train.engine.elastic import choose_run_mode
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
+from pksampler.train.engine.global_neck import GlobalNeck, per_rank_norms
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.solver.sparse_rows import SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState, replay_history
@@ -166,10 +167,13 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
     optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
                                 freeze_backbone_steps=config.model.freeze_backbone_steps)
+    # A BatchNorm neck normalises the gathered global batch, when the step gathers (the same model at any W).
+    neck = GlobalNeck.of(model, lambda: backend.gathered_loss_scale) if config.train.gather_embeddings else None
     # Wrap before loading any state: Horovod's DistributedOptimizer is a new
     # optimizer built from the param groups and does not carry state over.
     train_model, optimizer = backend.wrap(model, optimizer, fp16_allreduce=config.train.fp16_allreduce,
-                                          backward_passes_per_step=config.train.backward_passes_per_step)
+                                          backward_passes_per_step=config.train.backward_passes_per_step,
+                                          replicated=neck.names if neck is not None else ())
     passes = config.train.backward_passes_per_step
     steps_per_epoch = -(-sampler.num_batches // passes)
     epochs = run_epochs(config.train, steps_per_epoch)
@@ -181,8 +185,33 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
         workers=config.data.workers, gather=config.train.gather_embeddings, passes=passes,
         scaler=backend.setup.grad_scaler(), seed=config.seed,
         loader=TrainLoader(data.train, sampler, data.augment, workers=config.data.workers, setup=backend.setup),
-        row_optimizers=row_optimizers, shared=shared, clip_grad_norm=config.optim.clip_grad_norm,
+        row_optimizers=row_optimizers, shared=shared, clip_grad_norm=config.optim.clip_grad_norm, neck=neck,
     )
+
+
+def world_size_note(config: RunConfig, parts: StepParts) -> str | None:
+    """The start-up line for a run whose config trains another model at another world size, or None.
+
+    Per-rank statistics do that: BatchNorm in the backbone trained from scratch
+    (``model.norm: batch``), and any loss or neck that sees only its rank's rows
+    (``train.gather_embeddings: false``). docs/trainer.md lists what is invariant.
+    """
+    reasons = []
+    layers = per_rank_norms(parts.model, apart=_neck_module(parts))
+    if layers:
+        reasons.append(f"{len(layers)} BatchNorm layer(s) normalise each rank's own images ({layers[0]}, ...: "
+                       f"model.norm={config.model.norm!r}; model.freeze_norm: true or model.norm: group is invariant)")
+    if not config.train.gather_embeddings:
+        reasons.append("train.gather_embeddings: false (the loss sees each rank's rows, not the global batch)")
+    if not reasons:
+        return None
+    return ("[pksampler] note: this config trains a different model at each world size: " + "; ".join(reasons)
+            + " (docs/trainer.md, 'The same model at any world size')")
+
+
+def _neck_module(parts: StepParts) -> torch.nn.Module | None:
+    """The model's neck when the step applies it to the gathered batch (:class:`GlobalNeck`), else None."""
+    return parts.neck.module if isinstance(parts.neck, GlobalNeck) else None
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
@@ -190,7 +219,7 @@ def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
     chunk_size = config.train.chunk_size
     if chunk_size is None:
         return Trainer(parts, [])
-    check_chunkable(parts.model, chunk_size)
+    check_chunkable(parts.model, chunk_size, apart=_neck_module(parts))
     return CachedTrainer(parts, [], chunk_size=chunk_size)
 
 
@@ -265,8 +294,10 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
         hooks += mode.main_only([lambda: HeadStallHook(lambda: headed.head.last_softmax_loss)])
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
-    if running_statistics(parts.model):  # before the epoch's checkpoint and evaluation; at W = 1 the mean is itself
-        hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean, lambda: backend.world))
+    apart = _neck_module(parts)  # the neck on the gathered batch: its statistics agree already
+    # before the epoch's checkpoint and evaluation; built at any W (at W = 1 the mean is the statistics themselves)
+    if running_statistics(parts.model, apart=apart):
+        hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean, lambda: backend.world, apart=apart))
     hooks += [
         checkpoints,
         EvaluationHook(lambda epoch: evaluate(epoch, trainer.state.global_step), checkpoints.save,
@@ -478,6 +509,9 @@ def _announce(config: RunConfig, backend: Backend, data: DataParts, trainer: Tra
               "<dataset>/<class>", flush=True)
     for warning in split_gaps(data, config.data):
         print(f"[pksampler] warning: {warning}", flush=True)
+    note = world_size_note(config, parts)
+    if note:
+        print(note, flush=True)
     if state.epoch >= parts.epochs:
         print(f"[pksampler] {config.workspace} holds a finished run ({state.epoch} epochs); "
               "pass --no-resume (or another WORKSPACE) to train again", flush=True)

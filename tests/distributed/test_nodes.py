@@ -20,13 +20,16 @@ import torch
 import yaml
 from launch import (LAUNCHERS, ROOT, agent_command, finish_agent, free_port, kill_agent, launch, launch_agents,
                     start_agent, wait_for_port)
+from tiny_runs import folder_keys
 
 pytestmark = pytest.mark.horovod
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
 SCRIPT = ROOT / "train" / "retrieval.py"
 STEPS = 6
-#: the default config (configs/demo.yaml), a few steps, a checkpoint mid-run (written in the background)
-ARGS = ("--set", f"train.max_steps={STEPS}", "--set", "train.checkpoint_every=3", "--set", "train.deterministic=true")
+#: the default data (configs/demo.yaml) with configs/folder.yaml's model, loss and head (the BatchNorm neck on the
+#: gathered batch, the sharded head), a few steps, a checkpoint mid-run (written in the background)
+ARGS = (*(argument for key in folder_keys() for argument in ("--set", key)), "--set", f"train.max_steps={STEPS}",
+        "--set", "train.checkpoint_every=3", "--set", "train.deterministic=true")
 
 
 def _run(launcher: str, workspace: Path, *, two_nodes: bool) -> str:

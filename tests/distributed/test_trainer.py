@@ -279,13 +279,15 @@ def test_training_from_packed_shards_matches_the_image_folder(tmp_path):
 
 
 def test_horovod_ranks_end_each_epoch_with_the_same_batch_norm_statistics(tmp_path):
-    """A BatchNorm neck normalises each rank's batch; Horovod copies no buffer, so without the epoch's average
-    the ranks would embed the held-out set with different running statistics."""
-    config = write_config(tmp_path, "neck", model__neck="batch")
+    """BatchNorm in the trunk (``model.norm: batch``) normalises each rank's batch; Horovod copies no buffer, so
+    without the epoch's average the ranks would embed the held-out set with different running statistics. The
+    neck normalises the gathered batch: its statistics agree without the average."""
+    config = write_config(tmp_path, "neck", model__neck="batch", model__norm="batch")
     stats = tmp_path / "stats"
     stats.mkdir()
     result = launch("horovodrun", HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_NORM_STATS": str(stats)})
     assert result.returncode == 0, result.stdout[-4000:]
+    assert result.stdout.count("note: this config trains a different model at each world size") == 1
     rank0, rank1 = (json.loads((stats / f"{rank}.json").read_text()) for rank in (0, 1))
-    assert len(rank0) == 2 and any(abs(v) > 1e-3 for v in rank0[0])  # the neck's mean and variance, trained
+    assert len(rank0) == 2 * 7 and any(abs(v) > 1e-3 for v in rank0[-2])  # 6 trunk layers and the neck, trained
     assert rank0 == rank1

@@ -106,3 +106,21 @@ def test_lightning_imports_and_the_frameworks_recipe_runs_in_the_environment_as_
     reference = Path(sys.prefix) / "reference"
     assert (reference / "torchvision" / "torchvision" / "ops" / "misc.py").is_file()
     assert (reference / "timm" / "timm" / "__init__.py").is_file()
+
+
+@pytest.mark.parametrize("present", [(), ("torchvision",)])
+def test_the_parity_tests_fail_in_one_line_naming_the_set_up_when_their_reference_code_is_missing(tmp_path, present):
+    """The parity tests never skip: without the reference code they fail naming scripts/setup.sh. Before: with
+    torchvision's code there and timm's missing, the error was Python's own "No module named 'timm'"."""
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for package in present:
+        (reference / package).symlink_to(Path(sys.prefix) / "reference" / package)
+    code = ("import sys, pathlib; sys.path.insert(0, 'tests'); import reference_models as r; "
+            f"r.REFERENCE = pathlib.Path({str(reference)!r}); r.import_timm()")
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    missing = "timm" if present else "torchvision"
+    assert re.fullmatch(rf"ImportError: {missing}'s code is in neither the environment nor .*: run "
+                        r"\./scripts/setup\.sh", last), result.stderr[-2000:]

@@ -154,3 +154,43 @@ def test_ignite_proxy_and_a_catalyst_style_wrapper_are_refused_by_what_they_do()
         list(CatalystDistributedSamplerWrapper(sampler, num_replicas=2, rank=1))
     whole = list(CatalystDistributedSamplerWrapper(sampler, num_replicas=1, rank=0, shuffle=False))
     assert whole == list(sampler)  # one replica keeps every index: nothing to refuse
+
+
+class _PassThrough(torch.utils.data.DistributedSampler):
+    """A DistributedSampler of 2 replicas that hands the whole stream on (it only forwards ``set_epoch``)."""
+
+    def __init__(self, sampler):
+        super().__init__(range(len(sampler)), num_replicas=2, rank=0, shuffle=False)
+        self.sampler = sampler
+
+    def __iter__(self):
+        return iter(self.sampler)
+
+    def __len__(self):
+        return len(self.sampler)
+
+    def set_epoch(self, epoch):
+        super().set_epoch(epoch)
+        self.sampler.set_epoch(epoch)
+
+
+class _Holder(torch.utils.data.DistributedSampler):
+    """User code that happens to run inside a method (not ``__iter__``) of a DistributedSampler of 2 replicas."""
+
+    def __init__(self):
+        super().__init__(range(10), num_replicas=2, rank=0)
+
+    def count(self, sampler):
+        return len(list(sampler))
+
+
+def test_a_distributed_sampler_that_does_not_re_shard_is_left_alone():
+    """Before: any DistributedSampler of W > 1 on the stack was refused as keeping one index in W, although these
+    two hand every index on."""
+    sampler = DistributedBalancedSampler(LABELS, 4, 2, num_replicas=2, rank=0)
+    wrapper = _PassThrough(sampler)
+    wrapper.set_epoch(3)
+    assert list(wrapper) == list(sampler) and sampler.epoch == 3
+    assert _Holder().count(sampler) == len(sampler)
+    resharding = torch.utils.data.DistributedSampler(sampler, num_replicas=2, rank=0)  # a dataset, not a wrapper
+    assert len(list(resharding)) == len(sampler) // 2  # torch's own iterates no sampler: nothing for the guard

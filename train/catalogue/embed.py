@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 from pksampler.agree import Outcomes, gather_outcomes
 from pksampler.datasets import ImageLoadError
 from pksampler.datasets.base import LabelledDataset
-from pksampler.files import lock_exclusively
+from pksampler.files import LockFileError, lock_exclusively
 from pksampler.locations import is_remote
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
@@ -216,8 +216,11 @@ def _hold_out_folder(out: Path, model: LoadedModel, rank: int) -> Any:
     holds it: two jobs embedding into one folder would leave whichever parts finished last."""
     if rank != 0:
         return None
-    handle, holder = lock_exclusively(out / JOB_LOCK, f"model {model.digest[:12]}, pid {os.getpid()} on "
-                                                      f"{socket.gethostname()}")
+    try:
+        handle, holder = lock_exclusively(out / JOB_LOCK, f"model {model.digest[:12]}, pid {os.getpid()} on "
+                                                          f"{socket.gethostname()}")
+    except LockFileError as error:
+        raise ConfigError(f"--out: {error}") from None
     if handle is None:
         raise ConfigError(f"--out: {out} is being embedded by another job ({holder}); wait for it, or use another "
                           "--out")

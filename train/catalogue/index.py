@@ -39,8 +39,8 @@ import numpy as np
 from pksampler.datasets._image import read_regular
 from pksampler.files import atomic_write_text, atomic_writer
 
-from pksampler.train.catalogue.parts import (PartVectors, check_parts, iter_parts, make_out_folder, read_manifest,
-                                             writing)
+from pksampler.train.catalogue.parts import (PartVectors, check_parts, file_sha256, iter_parts, make_out_folder,
+                                             read_manifest, writing)
 from pksampler.train.errors import ConfigError
 
 __all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "Searcher", "build_index", "load_index",
@@ -361,15 +361,6 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
     return metadata
 
 
-def _file_sha256(path: Path) -> str:
-    """SHA-256 of ``path``, read in 16 MiB blocks (an index may be larger than memory allows twice)."""
-    hasher = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 24), b""):
-            hasher.update(block)
-    return hasher.hexdigest()
-
-
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
@@ -427,7 +418,7 @@ def load_index(folder: str | Path) -> Searcher:
     if not path.is_file() or path.stat().st_size != metadata.get("index_bytes"):
         raise ConfigError(f"--index: {path} is missing or not the file {folder / METADATA_FILE} describes "
                           f"({metadata.get('index_bytes')} bytes); build the index again")
-    digest = _file_sha256(path)
+    digest = file_sha256(path)
     if digest != metadata.get("index_sha256"):
         raise ConfigError(f"--index: {path} is not the file {folder / METADATA_FILE} describes (SHA-256 {digest[:12]}, "
                           f"expected {str(metadata.get('index_sha256'))[:12]}: changed, damaged or half rebuilt); "
@@ -439,5 +430,24 @@ def load_index(folder: str | Path) -> Searcher:
         raise ConfigError(f"--index: {path} is not a readable faiss index ({reason}); build the index again") from None
     if metadata.get("nprobe") is not None:
         faiss.extract_index_ivf(index).nprobe = metadata["nprobe"]
-    rerank = PartVectors(metadata["catalogue"]) if metadata["kind"] == "ivfpq" else None
+    rerank = _rerank_vectors(folder, metadata) if metadata["kind"] == "ivfpq" else None
     return Searcher(index, metadata, rerank)
+
+
+def _rerank_vectors(folder: Path, metadata: dict[str, Any]) -> PartVectors:
+    """The catalogue's parts that an ``ivfpq`` index re-ranks with, refused when the folder now holds another
+    embedding (another model, source, size or count): the codes would be re-ranked with vectors of other images."""
+    vectors = PartVectors(metadata["catalogue"])
+    held = vectors.manifest
+
+    def described(model: Any, source: Any, dim: Any, count: Any) -> str:
+        return (f"model {str(model.get('digest'))[:12]}, source {str((source or {}).get('digest'))[:12]}, "
+                f"{count} vectors of dim {dim}")
+
+    now = described(held["model"], held.get("source"), held["dim"], held["count"])
+    then = described(metadata["model"], metadata["source"], metadata["dim"], metadata["count"])
+    if now != then:
+        raise ConfigError(f"--index: {folder / METADATA_FILE}: the catalogue {metadata['catalogue']} it re-ranks "
+                          f"with now holds {now}, the index was built from {then}; build the index again from the "
+                          "catalogue as it is")
+    return vectors

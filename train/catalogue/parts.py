@@ -11,7 +11,7 @@
 
        embeddings/part-00003.npy   float32 (n, d): faiss / autofaiss read the folder as it is
        ids/part-00003.npy          int64 (n,): the global id of each row (bad images left out)
-       parts/part-00003.json       the record: ids range, counts, bad ids, model digest
+       parts/part-00003.json       the record: ids range, counts, bad ids, model digest, the arrays' SHA-256
 
 4. When every part is done, rank 0 writes ``manifest.json``: the model (its
    digest and preprocessing), the data source, the plan, the counts and
@@ -20,11 +20,15 @@
    only (a FIFO would block the reader for ever), the manifest's shapes
    before any sampling, finite vectors, ids rising strictly inside their
    part's range (the re-rank's binary search and ``id // part_size`` rely
-   on it), each part listed once and embedded by the manifest's model.
+   on it), each of the plan's parts listed once, in order, embedded by the
+   manifest's model, its two arrays the bytes its record's SHA-256 names
+   (a part swapped, linked or copied from another part or model is refused,
+   and a restart embeds it again).
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from contextlib import contextmanager
@@ -39,8 +43,8 @@ from pksampler.files import atomic_write_bytes, atomic_write_text
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["JOB_LOCK", "MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "check_parts", "finished",
-           "iter_parts", "make_out_folder", "part_name", "read_manifest", "read_part", "write_manifest", "write_part",
+__all__ = ["JOB_LOCK", "MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "check_parts", "file_sha256",
+           "finished", "iter_parts", "make_out_folder", "part_name", "read_manifest", "read_part", "write_manifest", "write_part",
            "writing"]
 
 MANIFEST = "manifest.json"
@@ -108,12 +112,15 @@ def writing(path: Path, argument: str = "--out") -> Iterator[None]:
 def write_part(out: Path, part: int, embeddings: np.ndarray, ids: np.ndarray, record: dict[str, Any]) -> None:
     """The part's arrays, then its record (which marks it finished)."""
     emb_path, ids_path, record_path = _paths(out, part)
-    with writing(emb_path):
-        atomic_write_bytes(emb_path, _npy_bytes(np.ascontiguousarray(embeddings, dtype=np.float32)))
-    with writing(ids_path):
-        atomic_write_bytes(ids_path, _npy_bytes(np.ascontiguousarray(ids, dtype=np.int64)))
+    digests = {}
+    for path, array, dtype in ((emb_path, embeddings, np.float32), (ids_path, ids, np.int64)):
+        data = _npy_bytes(np.ascontiguousarray(array, dtype=dtype))
+        digests[path.parent.name] = hashlib.sha256(data).hexdigest()
+        with writing(path):
+            atomic_write_bytes(path, data)
     with writing(record_path):
-        atomic_write_text(record_path, json.dumps({"format": PART_FORMAT, "part": part, **record}, indent=1))
+        atomic_write_text(record_path, json.dumps({"format": PART_FORMAT, "part": part, **record,
+                                                   "sha256": digests}, indent=1))
 
 
 def read_record(out: Path, part: int) -> dict[str, Any] | None:
@@ -143,9 +150,33 @@ def finished(out: Path, plan: PartPlan, part: int, digest: str) -> bool:
         return False
     try:
         embeddings, ids = read_part(out, part)
+        same = _changed_array(out, part, record) is None
     except (OSError, ValueError):
         return False
-    return embeddings.shape[0] == ids.shape[0] == record.get("count")
+    return same and embeddings.shape[0] == ids.shape[0] == record.get("count")
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of the regular file ``path``, read in 16 MiB blocks (a part or an index may exceed memory)."""
+    hasher = hashlib.sha256()
+    with open_regular(path) as stream:
+        for block in iter(lambda: stream.read(1 << 24), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _changed_array(out: Path, part: int, record: dict[str, Any]) -> Path | None:
+    """The first of the part's two arrays whose bytes are not the ones its record's SHA-256 names, else None.
+
+    A part's file swapped for another part's (a link, a copy) or for another
+    model's array of the same shape passes every shape, range and finiteness
+    check; only the bytes tell. A record without the digests counts as changed.
+    """
+    digests = record.get("sha256")
+    for path in _paths(out, part)[:2]:
+        if not isinstance(digests, dict) or digests.get(path.parent.name) != file_sha256(path):
+            return path
+    return None
 
 
 def check_existing_parts(out: Path, plan: PartPlan, digest: str) -> None:
@@ -236,6 +267,12 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
         if entry["part"] * plan["part_size"] >= plan["total"]:
             raise bad(f"parts[{number}]", f"part {entry['part']} lies past the plan's {plan['total']} ids")
         seen[entry["part"]] = number
+    expected = -(-plan["total"] // plan["part_size"])
+    wrong = next((n for n, e in enumerate(parts) if e["part"] != n), len(parts) if len(parts) != expected else None)
+    if wrong is not None:
+        raise bad("parts", f"must list each of the plan's {expected} parts ({plan['total']} ids in parts of "
+                           f"{plan['part_size']}) once, in order: part {wrong} is "
+                           + ("missing" if wrong < expected else f"past them ({len(parts)} listed)"))
     if not _is_count(manifest["count"]) or manifest["count"] != sum(e["count"] for e in parts):
         raise bad("count", f"{manifest['count']!r} must be the sum of the parts' counts "
                            f"({sum(e['count'] for e in parts)})")
@@ -301,6 +338,15 @@ def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
                               f"{str(record.get('model_digest'))[:12]}, the manifest's {digest[:12]}); embed the "
                               "catalogue again into a folder of its own")
         _check_values(out, entry, manifest["plan"], *_checked_part(out, entry, dim, mmap=True))
+        if not isinstance(record.get("sha256"), dict):
+            raise ConfigError(f"{record_path}: records no SHA-256 of the part's arrays (written by an older version, "
+                              "or edited), so its bytes cannot be checked; embed the catalogue again (train/"
+                              "embed_catalogue.py does the parts whose records lack it)")
+        changed = _changed_array(out, entry["part"], record)
+        if changed is not None:
+            raise ConfigError(f"{changed}: its bytes are not the ones {record_path.name} records (SHA-256): "
+                              "replaced, linked to another part or damaged since it was embedded; embed the "
+                              "catalogue again (finished parts whose bytes hold are kept)")
 
 
 def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True
@@ -323,7 +369,7 @@ class PartVectors:
 
     def __init__(self, catalogue: str | Path) -> None:
         self.catalogue = Path(catalogue)
-        manifest = read_manifest(self.catalogue)
+        self.manifest = manifest = read_manifest(self.catalogue)
         self.part_size, self.dim = int(manifest["plan"]["part_size"]), int(manifest["dim"])
         self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -142,7 +142,7 @@ class ModelConfig:
     # auto: the backbone's own (BatchNorm for the ResNets, group norm for the demo network, LayerNorm inside a ViT)
     norm: str = _rule("auto", rules.choice(lambda: _registry("norm")))
     pooling: str = _rule("avg", rules.choice(lambda: _registry("pooling")))  # avg | gem | avgmax
-    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch | layer, before the L2 norm
+    neck: str = _rule("none", rules.choice(lambda: _registry("neck")))  # none | batch (global batch) | layer, before L2
     # the projection from the pooled feature to the embedding has a bias; null: none when head.name is set
     # (a bias is a component every embedding shares, which a classification head can collapse them onto)
     projection_bias: bool | None = _rule(None, rules.optional(rules.boolean))
@@ -237,7 +237,7 @@ class OptimConfig:
     name: str = _rule("adamw", rules.choice(lambda: _registry("optimizer")))
     lr: float = _rule(0.004, rules.positive_finite)
     base_batch: int = _rule(64, rules.positive_int)
-    weight_decay: float = _rule(0.0005, rules.non_negative_finite)  # sgd, adamw: x the peak rate below 1
+    weight_decay: float = _rule(0.0005, rules.non_negative_finite)  # sgd, adamw: x the peak rate below 1; below float32's largest
     momentum: float = _rule(0.9, rules.right_open_interval(0.0, 1.0))  # SGD, LARS; below 1 (1 never forgets)
     warmup_steps: int = _rule(30, rules.int_at_least(0))
     # the warm-up as a share of the run's steps (Goyal et al.: 5 of 90 epochs); set, it replaces warmup_steps

@@ -23,7 +23,10 @@ What it needs: a forward pass that treats each image alone. BatchNorm in
 train mode computes statistics over the batch it sees, so a chunk's
 statistics are not the batch's and the first and second passes would not
 even agree; the application refuses it (:func:`check_chunkable`). Group
-norm, layer norm, frozen BatchNorm and no norm are per image.
+norm, layer norm, frozen BatchNorm and no norm are per image. A BatchNorm
+neck is not in the chunks' forward pass: the step applies it to the gathered
+global batch in step 2 (:mod:`.global_neck`), so it sees the whole batch
+here too.
 """
 
 from __future__ import annotations
@@ -41,18 +44,19 @@ from pksampler.train.modeling.frozen_norm import FrozenBatchNorm2d
 __all__ = ["CachedTrainer", "check_chunkable"]
 
 
-def check_chunkable(model: torch.nn.Module, chunk_size: int | None) -> None:
-    """Refuse ``train.chunk_size`` with a model whose BatchNorm layers train (their statistics span the chunk)."""
+def check_chunkable(model: torch.nn.Module, chunk_size: int | None, *, apart: torch.nn.Module | None = None) -> None:
+    """Refuse ``train.chunk_size`` with a model whose BatchNorm layers train (their statistics span the chunk);
+    ``apart``: the neck the step applies to the gathered batch, outside the chunks."""
     if chunk_size is None:
         return
     training = [name for name, module in model.named_modules()
-                if isinstance(module, _BatchNorm) and not isinstance(module, FrozenBatchNorm2d)]
+                if isinstance(module, _BatchNorm) and not isinstance(module, FrozenBatchNorm2d) and module is not apart]
     if training:
         raise ConfigError(
             f"train.chunk_size={chunk_size}: the model has BatchNorm layers in train mode ({training[0]}, "
             f"{len(training)} in all): their statistics would be those of a chunk, not of the batch, and differ "
-            "between the two passes; set model.norm: group (or none), model.freeze_norm: true, "
-            "and model.neck: none or layer")
+            "between the two passes; set model.norm: group (or none) or model.freeze_norm: true "
+            "(a BatchNorm neck may stay: the step applies it to the gathered batch)")
 
 
 @contextlib.contextmanager

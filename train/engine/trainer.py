@@ -148,6 +148,9 @@ class StepParts:
     shared: Sequence[Any] = ()
     # optim.clip_grad_norm: the dense gradients' global L2 norm is clipped to this after they are reduced
     clip_grad_norm: float | None = None
+    # the model's BatchNorm neck and L2 norm, applied to the gathered batch (the model's train-mode forward
+    # stops before them); None: the model's output is the embedding
+    neck: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def gathers(self) -> bool:
@@ -320,15 +323,19 @@ class Trainer:
     def loss_backward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> None:
         """The loss of the (gathered) global batch, backpropagated into this rank's ``embeddings``.
 
-        Scaled for the all-gather's backward (``gathered_loss_scale``), the
-        accumulation window and the fp16 GradScaler; keeps the loss and whether
-        the embeddings were finite for :meth:`optimizer_step`.
+        With :attr:`StepParts.neck`, ``embeddings`` are the model's pre-neck
+        output and the neck normalises the gathered global batch. Scaled for the
+        all-gather's backward (``gathered_loss_scale``), the accumulation window
+        and the fp16 GradScaler; keeps the loss and whether the embeddings were
+        finite for :meth:`optimizer_step`.
         """
         parts = self.parts
         scale = 1.0
         if parts.gathers:
             embeddings, labels = gather_batch(parts.backend, embeddings, labels)
             scale = parts.backend.gathered_loss_scale
+        if parts.neck is not None:
+            embeddings = parts.neck(embeddings)
         loss = parts.loss_fn(embeddings, labels)
         scaled = loss * (scale / parts.passes)
         (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()

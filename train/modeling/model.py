@@ -32,7 +32,7 @@ from pksampler.train.modeling.resnet import RESNETS, resnet
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.vit import VITS, vit
 
-__all__ = ["BACKBONES", "BackboneEmbedding", "EmbeddingNet", "GeM", "build_model"]
+__all__ = ["BACKBONES", "BackboneEmbedding", "EmbeddingNet", "GeM", "NeckedEmbedding", "build_model", "global_neck"]
 
 #: the demo network's ``model.backbone`` name
 DEMO = "resnet"
@@ -138,24 +138,65 @@ class _Pool(nn.Module):
         return layer_norm_pooled(pooled) if self.layer_norm else pooled
 
 
-def _neck(kind: str, dim: int, sync_batch_norm: type[nn.Module] | None = None) -> nn.Module:
+def _neck(kind: str, dim: int) -> nn.Module:
     """Normalisation of the embedding before the L2 norm ("BN-neck", Luo et al. 2019).
 
-    ``batch`` is BatchNorm1d over each rank's batch (so with W ranks it sees
-    P x K items, not the global batch), or the backend's SyncBatchNorm when one
-    is given (``model.norm: sync_batch``); ``layer`` is LayerNorm, independent
-    of the batch, so W ranks still train the same model as one process.
+    ``batch`` is BatchNorm1d; in training the step applies it to the
+    all-gathered global batch (:meth:`NeckedEmbedding.finish`), so its
+    statistics are one process's at every world size; ``layer`` is LayerNorm,
+    per row, so it stays inside the forward pass unchanged.
     """
     if kind == "none":
         return nn.Identity()
     if kind == "batch":
-        return (sync_batch_norm or nn.BatchNorm1d)(dim)
+        return nn.BatchNorm1d(dim)
     if kind == "layer":
         return nn.LayerNorm(dim)
     raise ValueError(f"model.neck must be one of {list(NECKS)}, got {kind!r}")
 
 
-class EmbeddingNet(nn.Module):
+class NeckedEmbedding(nn.Module):
+    """What the embedding networks share: ``forward`` is :meth:`finish` of :meth:`features`.
+
+    A BatchNorm neck computes statistics over the rows it sees. With
+    :attr:`neck_on_global_batch` set (:func:`global_neck`), ``forward`` in
+    train mode stops before the neck and returns the projection's output; the
+    training step all-gathers it and calls :meth:`finish` on the global batch.
+    In eval mode (evaluation, export, the catalogue) ``forward`` finishes each
+    batch itself with the running statistics, so one image embeds alone.
+    """
+
+    neck: nn.Module
+    #: train-mode forward returns the pre-neck embedding, for the step to finish on the gathered batch
+    neck_on_global_batch: bool = False
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """The embedding before the neck (pooling and the linear projection)."""
+        raise NotImplementedError
+
+    def finish(self, features: torch.Tensor) -> torch.Tensor:
+        """The neck and the L2 norm."""
+        return F.normalize(self.neck(features), dim=1)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        features = self.features(images)
+        return features if self.training and self.neck_on_global_batch else self.finish(features)
+
+
+def global_neck(model: nn.Module) -> nn.Module | None:
+    """The BatchNorm neck of one of our networks, now applied by the step to the gathered batch; else None.
+
+    Sets :attr:`NeckedEmbedding.neck_on_global_batch`. A LayerNorm neck, no
+    neck, or a caller's own model are left as they are (nothing in them
+    depends on the batch's other rows that the step could fix).
+    """
+    if not isinstance(model, NeckedEmbedding) or not isinstance(model.neck, nn.modules.batchnorm._BatchNorm):
+        return None
+    model.neck_on_global_batch = True
+    return model.neck
+
+
+class EmbeddingNet(NeckedEmbedding):
     """ResNet-style backbone (stages of width w, 2w, 4w, 8w...) + pooling + linear head (+ neck), L2-normalised.
 
     Args:
@@ -168,16 +209,14 @@ class EmbeddingNet(nn.Module):
         pooling: ``avg`` (global average), ``gem`` (generalised mean, learnt p)
             or ``avgmax`` (average and max concatenated).
         neck: ``none``, ``batch`` or ``layer`` normalisation of the embedding
-            before the L2 norm.
-        sync_batch_norm: the class a ``batch`` neck uses instead of BatchNorm1d.
+            before the L2 norm (:class:`NeckedEmbedding`).
         bias: the projection has a bias.
         pool_norm: LayerNorm without affine on the pooled feature (:func:`layer_norm_pooled`).
     """
 
     def __init__(self, width: int = 32, depth: tuple[int, ...] = (1, 1, 1, 1), embedding_dim: int = 64,
                  norm: NormFactory | None = None, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None, stem_stride: int = 1, bias: bool = True,
-                 pool_norm: bool = False) -> None:
+                 stem_stride: int = 1, bias: bool = True, pool_norm: bool = False) -> None:
         super().__init__()
         norm = norm or norm_factory("group")
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, stem_stride, 1, bias=False), norm(width), nn.ReLU(inplace=True))
@@ -191,12 +230,11 @@ class EmbeddingNet(nn.Module):
         self.stages = nn.Sequential(*stages)
         self.pool = _Pool(pooling, layer_norm=pool_norm)
         self.head = nn.Linear(channels * (2 if pooling == "avgmax" else 1), embedding_dim, bias=bias)
-        self.neck = _neck(neck, embedding_dim, sync_batch_norm)
+        self.neck = _neck(neck, embedding_dim)
         self.embedding_dim = embedding_dim
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        features = self.stages(self.stem(images))
-        return F.normalize(self.neck(self.head(self.pool(features))), dim=1)
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.stages(self.stem(images))))
 
     def backbone_parameters(self) -> Iterator[nn.Parameter]:
         """The trunk's parameters (stem and stages), for the fine-tuning options."""
@@ -204,7 +242,7 @@ class EmbeddingNet(nn.Module):
         yield from self.stages.parameters()
 
 
-class BackboneEmbedding(nn.Module):
+class BackboneEmbedding(NeckedEmbedding):
     """A backbone that returns a (N, C, H, W) map, then pooling, a linear head, the neck and the L2 norm.
 
     The backbone is the ``backbone`` sub-module, so its tensors are named
@@ -212,19 +250,19 @@ class BackboneEmbedding(nn.Module):
     """
 
     def __init__(self, backbone: nn.Module, embedding_dim: int, *, pooling: str = "avg", neck: str = "none",
-                 sync_batch_norm: type[nn.Module] | None = None, bias: bool = True, pool_norm: bool = False) -> None:
+                 bias: bool = True, pool_norm: bool = False) -> None:
         super().__init__()
         self.backbone = backbone
         self.pool = _Pool(pooling, layer_norm=pool_norm)
         self.head = nn.Linear(backbone.num_features * (2 if pooling == "avgmax" else 1), embedding_dim, bias=bias)
-        self.neck = _neck(neck, embedding_dim, sync_batch_norm)
+        self.neck = _neck(neck, embedding_dim)
         self.embedding_dim = embedding_dim
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return F.normalize(self.neck(self.head(self.pool(self.backbone(images)))), dim=1)
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.backbone(images)))
 
 
-class TorchvisionEmbedding(nn.Module):
+class TorchvisionEmbedding(NeckedEmbedding):
     """A torchvision backbone (when torchvision imports) with the same embedding head and neck."""
 
     def __init__(self, name: str, embedding_dim: int, neck: str = "none", *, bias: bool = True,
@@ -247,9 +285,9 @@ class TorchvisionEmbedding(nn.Module):
         self.backbone, self.head = backbone, nn.Linear(features, embedding_dim, bias=bias)
         self.neck = _neck(neck, embedding_dim)
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
+    def features(self, images: torch.Tensor) -> torch.Tensor:
         pooled = self.backbone(images)
-        return F.normalize(self.neck(self.head(layer_norm_pooled(pooled) if self.pool_norm else pooled)), dim=1)
+        return self.head(layer_norm_pooled(pooled) if self.pool_norm else pooled)
 
 
 def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image_size: int = 224) -> nn.Module:
@@ -273,16 +311,16 @@ def build_model(config, sync_batch_norm: type[nn.Module] | None = None, *, image
     elif name == DEMO:
         model = EmbeddingNet(config.width, tuple(config.depth), config.embedding_dim,
                              norm_factory(config.norm, sync_batch_norm),
-                             pooling=config.pooling, neck=config.neck, sync_batch_norm=sync_batch_norm,
-                             stem_stride=config.stem_stride, bias=bias, pool_norm=pool_norm)
+                             pooling=config.pooling, neck=config.neck, stem_stride=config.stem_stride, bias=bias,
+                             pool_norm=pool_norm)
     elif name in RESNETS or name in VITS:
         if name in VITS and config.pooling == "gem":
             raise ConfigError(f"model.pooling: 'gem' needs non-negative features and a ViT's tokens are not; "
                               f"use 'avg' (mean of the patch tokens) or 'avgmax' with backbone {name!r}")
         trunk = (resnet(name, norm_factory(config.norm, sync_batch_norm)) if name in RESNETS
                  else vit(name, image_size=image_size))
-        model = BackboneEmbedding(trunk, config.embedding_dim, pooling=config.pooling, neck=config.neck,
-                                  sync_batch_norm=sync_batch_norm, bias=bias, pool_norm=pool_norm)
+        model = BackboneEmbedding(trunk, config.embedding_dim, pooling=config.pooling, neck=config.neck, bias=bias,
+                                  pool_norm=pool_norm)
     else:
         raise ConfigError(f"model.backbone must be one of {list(BACKBONES)} or 'torchvision:<name>', got {name!r}")
     if config.freeze_norm:

@@ -27,7 +27,7 @@ import re
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -117,7 +117,10 @@ class Backend(comm.ProcessCollectives):
         """Make every rank start from rank 0's parameters and optimizer state."""
 
     def wrap(self, model: nn.Module, optimizer: torch.optim.Optimizer, *, fp16_allreduce: bool,
-             backward_passes_per_step: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+             backward_passes_per_step: int, replicated: Sequence[str] = ()) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """``model`` and ``optimizer`` wrapped for data parallelism. ``replicated``: names of the model's tensors
+        that every rank computes whole, gradient included (the neck on the gathered batch): DDP leaves them out
+        of its averaging; Horovod averages them like the rest (their gradient hook divides by the world size)."""
         return model, optimizer
 
     @contextlib.contextmanager
@@ -177,7 +180,7 @@ class HorovodBackend(Backend):
         if optimizer.state_dict()["state"]:
             self.hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 
-    def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step):
+    def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step, replicated=()):
         compression = self.hvd.Compression.fp16 if fp16_allreduce else self.hvd.Compression.none
         optimizer = self.hvd.DistributedOptimizer(
             optimizer, named_parameters=_named_parameters(model, optimizer), compression=compression,
@@ -292,9 +295,11 @@ class TorchBackend(Backend):
                                       name="pksampler.optimizer_state")
         optimizer.load_state_dict(state)
 
-    def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step):
+    def wrap(self, model, optimizer, *, fp16_allreduce, backward_passes_per_step, replicated=()):
         from torch.nn.parallel import DistributedDataParallel
 
+        if replicated:  # used outside DDP's forward, the same on every rank: no bucket may wait for them
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(replicated))
         device_ids = [self.device.index] if self.setup.is_cuda else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
         if fp16_allreduce:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from pksampler.files import atomic_write_text, lock_exclusively, remove_stale_temporaries
+from pksampler.files import LockFileError, atomic_write_text, lock_exclusively, remove_stale_temporaries
 
 from pksampler.train.errors import ConfigError
 
@@ -56,8 +56,11 @@ class WorkspaceLock:
         """Take the lock; held by another process, retry for ``wait_seconds`` (a process that is going away)."""
         deadline = time.monotonic() + wait_seconds
         while True:
-            handle, holder = lock_exclusively(self.path, f"pid {os.getpid()} on host {socket.gethostname()}",
-                                              unknown="an unknown process")
+            try:
+                handle, holder = lock_exclusively(self.path, f"pid {os.getpid()} on host {socket.gethostname()}",
+                                                  unknown="an unknown process")
+            except LockFileError as error:
+                raise ConfigError(f"workspace: {error}") from None
             if handle is not None or time.monotonic() >= deadline:
                 break
             time.sleep(0.2)

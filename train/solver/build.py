@@ -89,6 +89,10 @@ def check_learning_rate(value: tuple["OptimConfig", int]) -> None:
         raise ValueError(f"optim.lr: {optim.lr!r} x {images} images per step / optim.base_batch={optim.base_batch} "
                          f"gives the learning rate {lr}, which is not a finite number (optim.scaling: {rule}, "
                          f"{optim.scaling!r} in the config); lower optim.lr")
+    largest = float(torch.finfo(torch.float32).max)
+    if optim.weight_decay > largest:  # the step multiplies float32 weights by it: torch cannot even convert it
+        raise ValueError(f"optim.weight_decay: {optim.weight_decay!r} must be below float32's largest value "
+                         f"{largest:.4g}: each {optim.name} step multiplies the float32 weights by it")
     rate = lr * max(1.0, optim.backbone_lr_scale)  # the fastest group's peak
     if optim.name in MULTIPLICATIVE_DECAY and rate * optim.weight_decay >= 1:
         raise ValueError(f"optim.weight_decay: {optim.weight_decay!r} times the peak rate {rate:g} (optim.lr "

@@ -19,7 +19,7 @@ from pksampler.train.errors import ConfigError
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     folder = tmp_path_factory.mktemp("export")
-    checkpoint = make_checkpoint(folder / "best.pt")
+    checkpoint = make_checkpoint(folder / "best.pt", neck="batch")  # the neck embeds with its running statistics
     images = render_folder(folder / "images", classes=4, per_class=2, image_size=52)
     written = export_model(checkpoint, folder / "model")
     return checkpoint, sorted(images.rglob("*.png")), written

@@ -124,6 +124,24 @@ def _dump_twice(manifest):
     manifest["count"] += manifest["parts"][0]["count"]
 
 
+_CHANGED = r"{folder}/part-00001\.npy: its bytes are not the ones part-00001\.json records \(SHA-256\)"
+
+
+def _link_to_part_0(catalogue, folder="embeddings"):
+    path = catalogue / folder / "part-00001.npy"
+    path.unlink()
+    path.symlink_to(catalogue / folder / "part-00000.npy")
+
+
+def _another_models_vectors(catalogue):
+    other = clustered(30, 8, classes=3, seed=9)  # finite, unit length, the same shape
+    np.save(catalogue / "embeddings" / "part-00001.npy", other[10:20])
+
+
+def _leave_out_part_1(manifest):
+    manifest["count"] -= manifest["parts"].pop(1)["count"]
+
+
 PART_DAMAGE = {
     "nan": (lambda c: _edit_part(c, 1, embeddings=lambda v: _set(v, (3, 2), np.nan)),
             r"part-00001\.npy: holds NaN or infinite values"),
@@ -139,6 +157,18 @@ PART_DAMAGE = {
     "no model": (lambda c: _edit_manifest(c, lambda m: m.pop("model")), r"manifest\.json: model must be an object"),
     "another model": (lambda c: _edit_part(c, 1, record=lambda r: r.update(model_digest="e" * 64)),
                       r"part-00001\.json: embedded by another model \(digest eeeeeeeeeeee, the manifest's dddddddddddd\)"),
+    # before: each of these was indexed, and certified, without a word
+    "embeddings linked to another part": (_link_to_part_0, _CHANGED.format(folder="embeddings")),
+    "ids linked to another part": (lambda c: _link_to_part_0(c, "ids"), r"part-00001\.npy: ids must rise strictly"),
+    "another model's vectors of the same shape": (_another_models_vectors, _CHANGED.format(folder="embeddings")),
+    "a record without the digests": (lambda c: _edit_part(c, 1, record=lambda r: r.pop("sha256")),
+                                     r"part-00001\.json: records no SHA-256 of the part's arrays"),
+    "a part left out of the manifest": (lambda c: _edit_manifest(c, _leave_out_part_1),
+                                        r"manifest\.json: parts must list each of the plan's 3 parts \(30 ids in parts "
+                                        r"of 10\) once, in order: part 1 is missing"),
+    "a plan claiming more ids": (lambda c: _edit_manifest(c, lambda m: m["plan"].update(total=10**9)),
+                                 r"manifest\.json: parts must list each of the plan's 100000000 parts .* part 3 is "
+                                 r"missing"),
 }
 
 
@@ -331,3 +361,81 @@ def test_build_index_refuses_an_out_holding_the_index_of_another_model(tmp_path,
     _one_line(capsys, r"^error: --out: .*index holds the index of another model \(digest dddddddddddd, this "
                       r"catalogue's ffffffffffff\); a new model means a new index: use another --out, or delete it")
     assert (tmp_path / "index" / "index.faiss").read_bytes() == before
+
+
+# the embed job's lock file: a killed job's is taken over, a planted one is refused and never written through
+
+
+def _plant(out, kind, victim):
+    lock = out / parts_module.JOB_LOCK
+    if kind == "symbolic link":
+        os.symlink(victim, lock)
+    elif kind == "FIFO":
+        os.mkfifo(lock)
+    else:
+        lock.mkdir()
+
+
+@pytest.mark.parametrize("kind", ["symbolic link", "FIFO", "folder"])
+def test_a_lock_file_planted_as_a_link_fifo_or_folder_is_refused_in_one_line(tmp_path, capsys, kind):
+    """Before: a link was followed and the file it named was truncated and overwritten with the job's line; a FIFO
+    or a folder was a line naming neither --out nor the lock ('File or stream is not seekable', '[Errno 21]')."""
+    checkpoint = make_checkpoint(tmp_path / "a.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=2)
+    out, victim = tmp_path / "catalogue", tmp_path / "victim.txt"
+    out.mkdir()
+    victim.write_text("precious\n")
+    _plant(out, kind, victim)
+    argv = ["--checkpoint", str(checkpoint), "--data", str(data), "--out", str(out), "--part-size", "4",
+            "--workers", "0"]
+    assert cli.embed_main(argv) == 2
+    _one_line(capsys, rf"^error: --out: .*\.embed\.lock is a {kind}, not a regular file: it cannot be used as a "
+                      r"lock file; remove it$")
+    assert victim.read_text() == "precious\n" and not (out / "manifest.json").exists()
+
+
+def test_a_lock_file_left_by_a_killed_job_does_not_stop_the_next_one(tmp_path):
+    checkpoint = make_checkpoint(tmp_path / "a.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=2)
+    out = tmp_path / "catalogue"
+    out.mkdir()
+    (out / parts_module.JOB_LOCK).write_text("model 0123456789ab, pid 999999 on a-host-that-died\n")  # no flock
+    manifest = embed_catalogue(checkpoint, str(data), out, Backend(), options=EmbedOptions(part_size=3, workers=0))
+    assert manifest["count"] == 4
+    assert (out / parts_module.JOB_LOCK).read_text().startswith(f"model {manifest['model']['digest'][:12]}, pid ")
+
+
+def test_a_part_damaged_after_embedding_is_embedded_again_by_the_rerun_the_refusal_advises(tmp_path, capsys):
+    """Before: a restart skipped the damaged part (its record still matched), so 'embed the catalogue again' did not
+    mend it."""
+    checkpoint = make_checkpoint(tmp_path / "a.pt")
+    data = render_folder(tmp_path / "products", classes=2, per_class=3)
+    out, options = tmp_path / "catalogue", EmbedOptions(part_size=3, workers=0)
+    embed_catalogue(checkpoint, str(data), out, Backend(), options=options)
+    path = out / "embeddings" / "part-00001.npy"
+    good = np.load(path)
+    np.save(path, -good)  # finite, unit length, the right shape: only the bytes tell
+    assert cli.build_index_main([str(out), "--out", str(tmp_path / "index")]) == 2
+    _one_line(capsys, r"part-00001\.npy: its bytes are not the ones part-00001\.json records")
+    kept = (out / "embeddings" / "part-00000.npy").stat().st_mtime_ns
+    embed_catalogue(checkpoint, str(data), out, Backend(), options=options)
+    assert np.array_equal(np.load(path), good)
+    assert (out / "embeddings" / "part-00000.npy").stat().st_mtime_ns == kept  # the sound part was skipped
+    assert cli.build_index_main([str(out), "--out", str(tmp_path / "index")]) == 0
+
+
+def test_an_ivfpq_index_refuses_a_catalogue_embedded_again_by_another_model_under_it(tmp_path):
+    """Before: its exact re-rank read the new model's vectors for the old ids and returned other images (a
+    catalogue vector's own id at rank 1: 1.0 before, 0.0 after) without a word."""
+    vectors = clustered(600, 8, classes=6)
+    catalogue = fake_catalogue(tmp_path / "cat", vectors, part_size=200)
+    build_index(catalogue, tmp_path / "index", options=IndexOptions(kind="ivfpq", queries=50, pq_bytes=2))
+    _, found = index_module.load_index(tmp_path / "index").search(vectors[:20], 1)
+    assert (found[:, 0] == np.arange(20)).all()
+    shutil.rmtree(catalogue)
+    fake_catalogue(catalogue, clustered(600, 8, classes=6, seed=7), part_size=200)
+    _edit_manifest(catalogue, lambda m: m["model"].update(digest="f" * 64))
+    with pytest.raises(ConfigError, match=r"^--index: .*index\.json: the catalogue .*/cat it re-ranks with now holds "
+                                          r"model ffffffffffff, .* the index was built from model dddddddddddd, .*; "
+                                          r"build the index again"):
+        index_module.load_index(tmp_path / "index")

@@ -119,6 +119,15 @@ def test_a_weight_decay_that_zeroes_or_flips_the_weights_in_one_step_is_refused_
     assert tiny(tmp_path, "optim.name=lars", "optim.weight_decay=1e9").optim.name == "lars"  # inside the trust ratio
 
 
+@pytest.mark.parametrize("name", ["lamb", "lars"])
+def test_a_weight_decay_past_float32_is_refused_at_set_up_for_the_layerwise_optimizers(tmp_path, name):
+    """Before: LAMB and LARS, outside the rate x decay rule, took optim.weight_decay=1e39 and the first step ended in
+    torch's traceback ('value cannot be converted to type float without overflow')."""
+    with pytest.raises(ConfigError, match=rf"^optim.weight_decay: 1e\+39 must be below float32's largest value "
+                                          rf"3.403e\+38: each {name} step multiplies the float32 weights by it$"):
+        tiny(tmp_path, f"optim.name={name}", "optim.weight_decay=1e39")
+
+
 @pytest.mark.parametrize("decay, advice", [(100.0, r"each step scales the weights by 1 − lr × decay = 0.7 at the peak "
                                                    r"rate: lower optim.weight_decay \(or optim.lr\)"),
                                            (0.0005, r"lower optim.lr, raise optim.warmup_steps or check the data")])

@@ -74,6 +74,26 @@ def test_one_ranks_non_finite_statistics_stop_every_rank_naming_it_before_they_a
     assert "optim.lr" not in message and "that rank's data" in message
 
 
+def test_finite_statistics_whose_sum_overflows_stop_every_rank_instead_of_becoming_infinite():
+    """Before: each rank's running variance was finite (3e38), their all-reduced sum was inf, and every rank's
+    statistics became inf without a stop (evaluation and the checkpoint then read them)."""
+    def work(collectives):
+        model = _model("batch").train()
+        model(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(collectives.rank)))
+        name, buffer = next((n, b) for n, b in model.named_buffers() if n.endswith("running_var"))
+        buffer[2] = 3e38
+        own = [b.clone() for b in running_statistics(model)]
+        with pytest.raises(TrainingDiverged) as stop:
+            hook(model, collectives).after_epoch()
+        return str(stop.value), name, all(torch.equal(a, b) for a, b in zip(own, running_statistics(model)))
+
+    results = run_ranks(2, work)
+    message, name, _ = results[0]
+    assert all(result == (message, name, True) for result in results), results
+    assert message.startswith(f"BatchNorm running statistic {name} is finite on every rank but its mean over the 2 "
+                              "ranks is not"), message
+
+
 def test_the_hook_is_built_at_one_rank_so_a_world_that_grows_averages_and_one_rank_keeps_its_own(tmp_path):
     """Before: built only when the run started on more than one rank, so a Horovod elastic run that started on
     one rank and grew never averaged its statistics."""
@@ -83,7 +103,7 @@ def test_the_hook_is_built_at_one_rank_so_a_world_that_grows_averages_and_one_ra
 
     tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
             "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
-            "model.depth=[1]", "model.embedding_dim=8", "model.neck=batch", f"workspace={tmp_path / 'run'}",
+            "model.depth=[1]", "model.embedding_dim=8", "model.norm=batch", f"workspace={tmp_path / 'run'}",
             "train.max_steps=2", "train.tensorboard=false"]
     backend = Backend()
     run = assemble(load_config(None, tiny, environ={}), backend, mode=HorovodElasticMode(backend, commit_every=1))

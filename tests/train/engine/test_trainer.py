@@ -339,3 +339,19 @@ def test_the_clip_reads_the_gradients_a_step_applies_not_a_frozen_groups():
     optimizer.param_groups[1]["lr"] = 0.1  # thawed: both count
     clip_gradients(optimizer, 5.0)
     assert float(torch.cat([head.grad, trunk.grad]).norm()) == pytest.approx(5.0, rel=1e-5)
+
+
+def test_a_config_that_is_not_world_size_invariant_says_so_once_at_start(tmp_path, capsys):
+    # The batch neck on the gathered batch and group norm: invariant, no note; BatchNorm in the trunk from
+    # scratch (the line docs/trainer.md shows), or the loss on each rank's rows: one line naming the layer or key.
+    train(tiny(tmp_path, "train.max_steps=1", "model.neck=batch", name="neck"), Backend())
+    assert "note: this config trains a different model" not in capsys.readouterr().out
+    notes = []
+    for extra, name in (("model.norm=batch", "bn"), ("train.gather_embeddings=false", "local")):
+        train(tiny(tmp_path, "train.max_steps=1", extra, name=name), Backend())
+        lines = [line for line in capsys.readouterr().out.splitlines() if "note: this config trains" in line]
+        assert len(lines) == 1, lines
+        notes.append(lines[0])
+    documented = (ROOT / "docs" / "trainer.md").read_text()  # the demo network there: 12 layers, here 6
+    assert notes[0].replace("6 BatchNorm layer(s)", "12 BatchNorm layer(s)") in documented
+    assert "train.gather_embeddings: false (the loss sees each rank's rows" in notes[1]

@@ -144,12 +144,12 @@ def test_folder_config_loads_and_builds():
     assert model(torch.randn(2, 3, config.data.image_size, config.data.image_size)).shape == (2, config.model.embedding_dim)
 
 
-def test_batch_neck_takes_the_sync_class_and_torchvision_refuses_other_poolings():
+def test_batch_neck_stays_batchnorm1d_with_a_sync_class_and_torchvision_refuses_other_poolings():
     class FakeSync(torch.nn.BatchNorm1d):
         pass
 
     config = dataclasses.replace(ModelConfig(), width=8, depth=(1,), neck="batch")
-    assert type(build_model(config, sync_batch_norm=FakeSync).neck) is FakeSync
+    assert type(build_model(config, sync_batch_norm=FakeSync).neck) is torch.nn.BatchNorm1d  # the step syncs it
     assert type(build_model(config).neck) is torch.nn.BatchNorm1d
     with pytest.raises(ValueError, match="model.pooling='gem' applies to our own backbones only"):
         build_model(dataclasses.replace(config, backbone="torchvision:resnet18", pooling="gem"))
