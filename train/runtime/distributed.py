@@ -57,9 +57,9 @@ class CollectiveTimeout(RuntimeError):
 class Backend(comm.ProcessCollectives):
     """Single process: every collective is the identity (through :mod:`pksampler.comm`).
 
-    A :class:`pksampler.comm.Collectives`: the collectives are
-    :class:`~pksampler.comm.ProcessCollectives`'; the world is the backend's own
-    (:meth:`set_world`)."""
+    A :class:`pksampler.comm.Collectives`: the collectives are inherited from
+    :class:`~pksampler.comm.ProcessCollectives`; the world is the backend's own,
+    replaced only by :meth:`set_world`."""
 
     name = "none"
     #: torch.distributed's backend under the process group (``TorchBackend``), None for Horovod and one process
