@@ -5,6 +5,15 @@ through this module (the role of detectron2's ``utils/comm.py``): the
 samplers' auto-detection and consistency check, the triplet sampler's
 neighbour-table broadcast and the trainer's backends.
 
+Two things live here: the world (:func:`detect_world`, the one place that
+asks a runtime or a launcher which rank this is) and the collectives: the
+functions below, the :class:`Collectives` protocol that every part talking to
+the other ranks is written against (the trainer's backends satisfy it, and
+:class:`ProcessCollectives`, the default object over whichever runtime this
+process started), and the differentiable collectives beside them
+(:func:`all_gather` keeps gradients, :func:`sum_gradient` and
+:func:`sum_over_ranks` for a loss computed over rows spread across ranks).
+
 Runtimes, in the order they are looked for:
 
 1. Horovod, if the program imported ``horovod.torch`` and called ``hvd.init()``;
@@ -24,13 +33,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 __all__ = [
+    "Collectives",
     "LAUNCHER_ENVIRONMENT",
+    "LOCAL_SIZE_ENVIRONMENT",
+    "ProcessCollectives",
     "add_local_rank_argument",
     "adopt_local_rank",
     "all_gather",
@@ -40,13 +52,18 @@ __all__ = [
     "alltoall",
     "barrier",
     "broadcast_object",
+    "detect_world",
     "drop_padding",
     "initialised_horovod",
     "initialised_torch_distributed",
     "launcher",
+    "launcher_local_size",
     "launcher_world",
     "local_rank",
     "pad_rows",
+    "started_collectives",
+    "sum_gradient",
+    "sum_over_ranks",
     "world_info",
 ]
 
@@ -57,6 +74,9 @@ LAUNCHER_ENVIRONMENT = (
     ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
     ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
 )
+
+#: ranks on this host, as torchrun, horovodrun, Open MPI and MPICH/Intel MPI name it
+LOCAL_SIZE_ENVIRONMENT = ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS")
 
 
 def initialised_horovod() -> Any | None:
@@ -139,24 +159,56 @@ def launcher(environ: dict[str, str] | None = None) -> str | None:
     return None
 
 
+def launcher_local_size(environ: Any = None) -> int:
+    """Ranks on this host from the launcher's environment (:data:`LOCAL_SIZE_ENVIRONMENT`); 1 when none says."""
+    environ = os.environ if environ is None else environ
+    for key in LOCAL_SIZE_ENVIRONMENT:
+        if environ.get(key, "").isdigit():
+            return max(1, int(environ[key]))
+    return 1
+
+
+def detect_world() -> tuple[int, int, int, int, str] | None:
+    """``(rank, size, local_rank, local_size, source)`` of this process, or None when nothing says.
+
+    The one detection cascade (:meth:`pksampler.world.World.detect` wraps it in
+    a value): Horovod (``source="Horovod"``), torch.distributed
+    (``"torch.distributed"``), the launcher's environment (``"the launcher's
+    environment"``). The local rank and the ranks per host come from Horovod
+    when it runs, else from the launcher.
+    """
+    hvd = initialised_horovod()
+    if hvd is not None:  # the launcher's environment is not read: Horovod knows all four
+        return int(hvd.rank()), int(hvd.size()), int(hvd.local_rank()), int(hvd.local_size()), "Horovod"
+    dist = initialised_torch_distributed()
+    if dist is not None:  # the rank is the process group's; only the host's share comes from the environment
+        return (int(dist.get_rank()), int(dist.get_world_size()), _environment_local_rank(), launcher_local_size(),
+                "torch.distributed")
+    found = launcher_world()
+    if found is None:
+        return None
+    return found[0], found[1], found[2], launcher_local_size(), "the launcher's environment"
+
+
+def _environment_local_rank() -> int:
+    """The first integer local rank a launcher set (:data:`LAUNCHER_ENVIRONMENT`'s order), else 0; never raises:
+    under a running process group the rank does not depend on it."""
+    for _, _, key in LAUNCHER_ENVIRONMENT:
+        value = _as_int(os.environ.get(key, ""))
+        if value is not None and value >= 0:
+            return value
+    return 0
+
+
 def world_info() -> tuple[int, int]:
     """``(rank, world_size)`` of this process: Horovod, torch.distributed, the launcher's environment, else (0, 1)."""
-    hvd = initialised_horovod()
-    if hvd is not None:
-        return int(hvd.rank()), int(hvd.size())
-    dist = initialised_torch_distributed()
-    if dist is not None:
-        return int(dist.get_rank()), int(dist.get_world_size())
-    found = launcher_world()
+    found = detect_world()
     return (found[0], found[1]) if found is not None else (0, 1)
 
 
 def local_rank() -> int:
     """This process's rank on its node (selects its GPU)."""
-    hvd = initialised_horovod()
-    if hvd is not None:
-        return int(hvd.local_rank())
-    found = launcher_world()
+    found = detect_world()
     return found[2] if found is not None else 0
 
 
@@ -368,3 +420,131 @@ def barrier() -> None:
     dist = initialised_torch_distributed()
     if dist is not None:
         dist.barrier()
+
+
+class Collectives(Protocol):
+    """What a part that talks to the other ranks is written against: the world and the collectives.
+
+    The trainer's backends (:mod:`pksampler.train.runtime.distributed`) satisfy
+    it, and so does :class:`ProcessCollectives` (whichever runtime this process
+    started; one process: the identity). Tests pass a group of fakes that loop
+    over ranks in one process.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    def allgather(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor: ...
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray: ...
+
+    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor: ...
+
+    def broadcast_object(self, value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any: ...
+
+    def barrier(self) -> None: ...
+
+
+class ProcessCollectives:
+    """:class:`Collectives` over whichever runtime this process started (the module's functions).
+
+    The rank and size are read live (:func:`world_info`); a subclass that keeps
+    its own world (the trainer's backends, whose world changes only through
+    ``set_world``) overrides them.
+    """
+
+    @property
+    def rank(self) -> int:
+        return world_info()[0]
+
+    @property
+    def size(self) -> int:
+        return world_info()[1]
+
+    @property
+    def collective_device(self) -> torch.device | None:
+        """Where small tensor collectives must live (NCCL: the rank's GPU); None: the host."""
+        return None
+
+    def allgather(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
+        """Every rank's ``tensor`` along dim 0, in rank order, keeping gradients (:func:`all_gather`)."""
+        return all_gather(tensor, sizes=sizes)
+
+    def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return allreduce_mean(tensor)
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return allreduce_sum(tensor)
+
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
+        """``(F,)`` int64 row of every rank as a ``(W, F)`` array (fingerprints, small tables)."""
+        return all_gather_numpy(row, device=self.collective_device)
+
+    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor:
+        """Send ``splits[q]`` rows of ``tensor`` to rank q (in rank order); the rows received, in rank order."""
+        return alltoall(tensor, splits)
+
+    def broadcast_object(self, value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any:
+        return broadcast_object(value, root, name=name)
+
+    def barrier(self) -> None:
+        barrier()
+
+
+def started_collectives(owner: str) -> ProcessCollectives:
+    """:class:`ProcessCollectives`, refusing (RuntimeError naming ``owner``) a launch of several ranks whose runtime
+    this process has not started: its collectives would be the identity and each rank would see only its own part."""
+    size = world_info()[1]
+    if size > 1 and initialised_horovod() is None and initialised_torch_distributed() is None:
+        raise RuntimeError(f"{owner}: the launcher started {size} ranks but neither Horovod nor torch.distributed is "
+                           "initialised here; call hvd.init() or torch.distributed.init_process_group() first (or "
+                           "pass collectives=)")
+    return ProcessCollectives()
+
+
+class _SumGradient(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ranks (each rank's rows give a part of it)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # type: ignore[override]
+        ctx.collectives = collectives
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return ctx.collectives.allreduce_sum(grad.contiguous()), None
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Sum over ranks forward; backward passes the gradient through (every rank holds the same loss)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # type: ignore[override]
+        return collectives.allreduce_sum(tensor.contiguous())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return grad, None
+
+
+def sum_gradient(tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+    """``tensor`` unchanged; in backward its gradient is summed over the ranks.
+
+    For an input that every rank holds whole (the gathered embeddings) and
+    that each rank uses against its own rows: each rank's gradient is a part.
+    """
+    return _SumGradient.apply(tensor, collectives)
+
+
+def sum_over_ranks(tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:
+    """The sum of ``tensor`` over the ranks; in backward the gradient passes through unchanged.
+
+    For partial sums (a softmax's denominator over rows spread across ranks)
+    after which every rank holds the same loss.
+    """
+    return _SumOverRanks.apply(tensor, collectives)

@@ -1,4 +1,4 @@
-"""The world a process trains in: one frozen value of rank, size and local rank.
+"""The world a process trains in: one frozen value of rank, size, local rank and ranks per host.
 
 As in mosaicml/streaming's ``World``, a rank and a world size are held in one
 value that the parts read, never copied into fields that someone else keeps
@@ -21,19 +21,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pksampler import comm
+
 __all__ = ["World"]
 
 
 @dataclass(frozen=True)
 class World:
-    """``rank`` of ``size`` ranks; ``local_rank`` among the ranks of this host (it selects the GPU)."""
+    """``rank`` of ``size`` ranks; ``local_rank`` among the ``local_size`` ranks of this host (it selects the GPU;
+    the host's memory is shared by ``local_size`` ranks)."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    local_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("rank", "size", "local_rank"):
+        for name in ("rank", "size", "local_rank", "local_size"):
             value = getattr(self, name)
             if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
                 raise TypeError(f"World({name}=) expects an int, got {value!r} ({type(value).__name__})")
@@ -44,14 +48,14 @@ class World:
             raise ValueError(f"World(rank=) must be in [0, {self.size}) for size={self.size}, got {self.rank}")
         if self.local_rank < 0:
             raise ValueError(f"World(local_rank=) expects an int >= 0, got {self.local_rank}")
+        if self.local_size < 1:
+            raise ValueError(f"World(local_size=) expects a positive int, got {self.local_size}")
 
     @classmethod
     def detect(cls) -> "World":
         """This process's world now: Horovod, torch.distributed, the launcher's environment, else rank 0 of 1."""
-        from pksampler import comm
-
-        rank, size = comm.world_info()
-        return cls(rank=int(rank), size=int(size), local_rank=int(comm.local_rank()))
+        found = comm.detect_world()
+        return cls(*found[:4]) if found is not None else cls()
 
     @property
     def is_main(self) -> bool:

@@ -134,26 +134,14 @@ def check_not_resharded(owner: str, length: int | None = None) -> None:
         )
 
 
-def _live_world() -> tuple[int, int, str] | None:
-    """``(rank, size, source)`` of the running runtime, else of the launcher's environment, else None."""
-    from pksampler import comm
-
-    hvd = comm.initialised_horovod()
-    if hvd is not None:
-        return int(hvd.rank()), int(hvd.size()), "Horovod"
-    dist = comm.initialised_torch_distributed()
-    if dist is not None:
-        return int(dist.get_rank()), int(dist.get_world_size()), "torch.distributed"
-    found = comm.launcher_world()
-    return (found[0], found[1], "the launcher's environment") if found is not None else None
-
-
 def check_world_still_holds(num_replicas: int, rank: int, *, owner: str) -> None:
     """Raise when a detected ``(rank, num_replicas)`` disagrees with the live runtime or launcher environment."""
-    live = _live_world()
+    from pksampler import comm
+
+    live = comm.detect_world()
     if live is None or (live[0], live[1]) == (rank, num_replicas):
         return
-    live_rank, live_size, source = live
+    live_rank, live_size, source = live[0], live[1], live[4]
     raise SamplerSetupError(
         f"{owner} detected rank {rank} of num_replicas={num_replicas} when it was built, but {source} now says "
         f"rank {live_rank} of {live_size} (it was built before the process group started): build it after the "

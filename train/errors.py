@@ -8,8 +8,13 @@ message names the key or the file, the value and the rule. The launcher
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "SharedConfigError"]
 
 
 class ConfigError(ValueError):
     """A configuration or data problem; the message names the key (dotted path) or file, the value and the rule."""
+
+
+class SharedConfigError(ConfigError):
+    """A ConfigError that several ranks raise from one agreed table (:mod:`pksampler.agree`): rank 0 shows its line,
+    the others stay quiet, so the line is read once."""

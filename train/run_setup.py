@@ -23,7 +23,6 @@ Horovod elastic); every step below asks that mode and none branches on it.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -165,7 +164,7 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
             config, backend, loss_fn, num_classes=int(np.asarray(data.dataset.labels).max()) + 1,
             global_batch=global_batch, row_optimizer=SparseRowSGD,
             grad_divisor=backend.gathered_loss_scale if backend.size > 1 else 1.0,
-            gathered=config.train.gather_embeddings, local_ranks=_local_ranks(), elastic=mode.keeps_commits)
+            gathered=config.train.gather_embeddings, local_ranks=backend.local_size, elastic=mode.keeps_commits)
         row_optimizers, shared = (loss_fn.row_optimizer,), (loss_fn,)  # the head's rows: a share of the world
     loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
@@ -216,14 +215,6 @@ def world_size_note(config: RunConfig, parts: StepParts) -> str | None:
 def _neck_module(parts: StepParts) -> torch.nn.Module | None:
     """The model's neck when the step applies it to the gathered batch (:class:`GlobalNeck`), else None."""
     return parts.neck.module if isinstance(parts.neck, GlobalNeck) else None
-
-
-def _local_ranks() -> int:
-    """Ranks on this host, from the launcher (torchrun, Horovod, Open MPI); 1 when none says."""
-    for key in ("LOCAL_WORLD_SIZE", "HOROVOD_LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(key, "").isdigit():
-            return max(1, int(os.environ[key]))
-    return 1
 
 
 def _trainer(config: RunConfig, parts: StepParts) -> Trainer:
@@ -308,7 +299,8 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     if config.model.freeze_backbone_steps:
         hooks.append(FreezeBackboneHook(parts.optimizer, steps=config.model.freeze_backbone_steps))
     apart = _neck_module(parts)  # the neck on the gathered batch: its statistics agree already
-    if backend.size > 1 and running_statistics(parts.model, apart=apart):  # before the checkpoint and evaluation
+    # before the epoch's checkpoint and evaluation; built at any W (at W = 1 the mean is the statistics themselves)
+    if running_statistics(parts.model, apart=apart):
         hooks.append(NormStatisticsHook(parts.model, backend.allreduce_mean, lambda: backend.world, apart=apart))
     hooks += [
         checkpoints,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from pksampler.comm import add_local_rank_argument, adopt_local_rank
-from pksampler.train.errors import ConfigError
+from pksampler.train.errors import ConfigError, SharedConfigError
 
 __all__ = ["build_index_main", "embed_main", "export_main", "query_main"]
 
@@ -42,7 +42,7 @@ _PEER_FAILED = ("HorovodInternalError", "DistBackendError")
 def _run(step: Callable[[], object]) -> int:
     """Run ``step``; an error is one line on stderr, no traceback, and status 2 (1 for an unexpected one).
 
-    * A ConfigError that every rank raises together (``shown_by_rank0``) is
+    * A ConfigError that every rank raises together (:class:`SharedConfigError`) is
       printed by rank 0; the other ranks wait for it, then exit.
     * Any other ConfigError, or an OSError, is the rank's own (its file, its
       host): that rank prints it, prefixed with its rank when not 0, and exits.
@@ -55,7 +55,7 @@ def _run(step: Callable[[], object]) -> int:
     try:
         step()
     except ConfigError as error:
-        if rank == 0 or not getattr(error, "shown_by_rank0", False):
+        if rank == 0 or not isinstance(error, SharedConfigError):
             print(f"error: {where}{error}", file=sys.stderr, flush=True)
             return 2
         signal.signal(signal.SIGTERM, lambda *_: os._exit(2))

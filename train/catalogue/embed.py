@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from pksampler.agree import Outcomes, gather_outcomes
 from pksampler.datasets import ImageLoadError
 from pksampler.datasets.base import LabelledDataset
 from pksampler.files import LockFileError, lock_exclusively
@@ -36,7 +37,7 @@ from pksampler.train.catalogue.model import LoadedModel, check_finite, load_mode
 from pksampler.train.catalogue.parts import (JOB_LOCK, PartPlan, check_existing_parts, finished, make_out_folder,
                                              read_record, write_manifest, write_part)
 from pksampler.train.catalogue.sources import open_source, source_fingerprint, source_kind
-from pksampler.train.errors import ConfigError
+from pksampler.train.errors import ConfigError, SharedConfigError
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.runtime.loader import to_model_input, worker_context
 
@@ -167,41 +168,31 @@ def _embed_parts(model: LoadedModel, network: torch.nn.Module, dataset: Labelled
     return progress.images, time.monotonic() - started
 
 
-def _setup_row(error: ConfigError | None) -> np.ndarray:
-    """``[failed, message digest]``: what a rank tells the others about its set-up."""
-    if error is None:
-        return np.zeros(3, dtype=np.int64)
-    digest = np.frombuffer(hashlib.sha256(str(error).encode()).digest()[:16], dtype=np.int64)
-    return np.concatenate([np.ones(1, dtype=np.int64), digest])
-
-
-def _setup_outcome(rows: np.ndarray, rank: int, error: ConfigError | None) -> ConfigError | None:
-    """The error ``rank`` raises after the ranks' set-up rows ``rows`` were gathered; None when every rank is ready.
+def _setup_outcome(outcomes: Outcomes, rank: int, error: ConfigError | None) -> ConfigError | None:
+    """The error ``rank`` raises once every rank's set-up outcome is known; None when every rank is ready.
 
     A rank that failed raises its own error. Its line is shown by the rank
     itself unless rank 0 or a lower rank failed with the same message (an
-    error every rank hits is shown once, by rank 0). A rank that did not
-    fail raises "stopped: rank(s) ... hit bad input", shown by rank 0 only.
+    error every rank hits is shown once, by rank 0: a :class:`SharedConfigError`).
+    A rank that did not fail raises "stopped: rank(s) ... hit bad input", shown
+    by rank 0 only.
     """
-    failed = [r for r in range(len(rows)) if rows[r, 0]]
+    failed = outcomes.failed
     if not failed:
         return None
     if error is None:
-        stopped = ConfigError(f"stopped: rank(s) {failed} hit bad input (named above by the rank(s)); nothing was "
-                              "embedded")
-        stopped.shown_by_rank0 = True
-        return stopped
-    error.shown_by_rank0 = rank != 0 and any((rows[r] == rows[rank]).all() for r in range(rank))
+        return SharedConfigError(f"stopped: rank(s) {failed} hit bad input (named above by the rank(s)); nothing was "
+                                 "embedded")
+    if rank != 0 and outcomes.messages[rank] in outcomes.messages[:rank]:
+        shared = SharedConfigError(str(error))
+        shared.__cause__ = error
+        return shared
     return error
 
 
 def _agree_on_setup(backend: Backend, error: ConfigError | None) -> None:
     """Every rank learns whether any rank's set-up failed, so no rank waits in a collective for one that stopped."""
-    if backend.size == 1:
-        if error is not None:
-            raise error
-        return
-    outcome = _setup_outcome(backend.allgather_numpy(_setup_row(error)), backend.rank, error)
+    outcome = _setup_outcome(gather_outcomes(backend, error), backend.rank, error)
     if outcome is not None:
         raise outcome
 
@@ -211,16 +202,13 @@ def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, dat
     if backend.size == 1:
         return
     text = f"{model.digest}|{plan.total}|{plan.part_size}|{plan.source}|{data}|{out.resolve()}"
-    row = np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], dtype=np.int64).copy()
-    rows = backend.allgather_numpy(row)
+    rows = gather_outcomes(backend, None, np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], np.int64)).values
     if not (rows == rows[0]).all():
         differing = sorted({r for r in range(len(rows)) if not (rows[r] == rows[0]).all()})
-        error = ConfigError(f"--checkpoint/--data/--out/--part-size: rank(s) {differing} were given another model, "
-                            f"catalogue, part size or output folder than rank 0 (this rank: {plan.total} images at "
-                            f"{data}, parts of {plan.part_size}, model {model.digest[:12]}, {out}); start every rank "
-                            "with the same arguments")
-        error.shown_by_rank0 = True  # every rank raises it: rank 0 shows it once
-        raise error
+        raise SharedConfigError(  # every rank raises it: rank 0 shows it once
+            f"--checkpoint/--data/--out/--part-size: rank(s) {differing} were given another model, catalogue, part "
+            f"size or output folder than rank 0 (this rank: {plan.total} images at {data}, parts of "
+            f"{plan.part_size}, model {model.digest[:12]}, {out}); start every rank with the same arguments")
 
 
 def _hold_out_folder(out: Path, model: LoadedModel, rank: int) -> Any:

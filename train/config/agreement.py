@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
+from pksampler import agree
 from pksampler.train.config.load import ADDED_KEYS
 from pksampler.train.config.schema import local_keys, resumable_keys
 from pksampler.train.errors import ConfigError
@@ -56,20 +57,9 @@ def _digest(value: Any) -> int:
 
 
 def raise_together(backend: Backend, error: Exception | None) -> None:
-    """Collective: if any rank's ``error`` is set, every rank raises the lowest failing rank's ConfigError."""
-    if backend.size == 1:
-        if error is not None:
-            raise error
-        return
-    failed = backend.allgather_numpy(np.array([0 if error is None else 1], dtype=np.int64))[:, 0]
-    if not failed.any():
-        return
-    root = int(np.flatnonzero(failed)[0])
-    message = backend.broadcast_object(str(error) if backend.rank == root else None, root,
-                                       name="pksampler.setup_error")
-    if error is not None and backend.rank == root:
-        raise error
-    raise ConfigError(message)
+    """Collective: if any rank's ``error`` is set, every rank raises the lowest failing rank's ConfigError
+    (:func:`pksampler.agree.raise_together`)."""
+    agree.raise_together(backend, error, kind=ConfigError)
 
 
 def check_ranks_agree(config: Mapping[str, Any], labels: np.ndarray, backend: Backend) -> None:

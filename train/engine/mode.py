@@ -45,8 +45,6 @@ __all__ = ["RunMode"]
 class RunMode:
     """A run whose world is fixed from start to end (one process, Horovod, torchrun): the static mode."""
 
-    #: whether the set of ranks may change during the run (a sharded head must then gather even at W=1)
-    world_may_change = False
     #: whether each rank keeps in-memory commits of its state (the sharded head's memory check counts them)
     keeps_commits = False
 

@@ -102,7 +102,17 @@ def curves_figure(
     plt = _pyplot()
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100, layout="constrained")
     figure.suptitle(title, fontsize=14)
+    _loss_panel(left, steps, loss, smoothing)
+    _retrieval_panel(right, epochs, recall, mapr, collapse or {})
+    from matplotlib.ticker import MaxNLocator
 
+    for axes in (left, right):  # steps and epochs are whole numbers
+        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    return figure
+
+
+def _loss_panel(left: Any, steps: np.ndarray, loss: np.ndarray, smoothing: float | None) -> None:
+    """The left panel: every step's loss and its EMA."""
     left.set_title("Training loss")
     left.set_xlabel("global step (optimizer updates)")
     left.set_ylabel("loss (mean over the global batch)")
@@ -117,6 +127,10 @@ def curves_figure(
         left.text(0.5, 0.5, "no steps logged", ha="center", va="center", transform=left.transAxes, color="grey")
     left.grid(True, alpha=0.3)
 
+
+def _retrieval_panel(right: Any, epochs: np.ndarray, recall: np.ndarray, mapr: np.ndarray,
+                     collapse: Mapping[str, Sequence[float]]) -> None:
+    """The right panel: held-out Recall@1 and MAP@R per evaluation, and the collapse lines."""
     right.set_title("Held-out classes (retrieval)")
     right.set_xlabel("epoch")
     right.set_ylabel("score (0 to 1)")
@@ -129,17 +143,12 @@ def curves_figure(
                        ha="center", color="tab:green")
         low, high = float(epochs.min()), float(epochs.max())
         right.set_xlim(low - 0.5, high + 0.5)
-        _collapse_lines(right, epochs, collapse or {})
+        _collapse_lines(right, epochs, collapse)
         right.legend(loc="lower right", fontsize=8)
     else:
         right.text(0.5, 0.5, "no evaluation yet", ha="center", va="center", transform=right.transAxes,
                    color="grey")
     right.grid(True, alpha=0.3)
-    from matplotlib.ticker import MaxNLocator
-
-    for axes in (left, right):  # steps and epochs are whole numbers
-        axes.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
-    return figure
 
 
 _COSINES = (("mean_cosine", "mean cosine (all)", "tab:grey"), ("mean_cosine_same", "mean cosine (same class)", "tab:orange"),

@@ -161,10 +161,6 @@ class CommittedJSONWriter(EventWriter):
     def on_world_change(self) -> None:
         self.pending.clear()
 
-    def drop(self) -> None:
-        """The held steps are rolled back (a reset)."""
-        self.pending.clear()
-
     def repair(self) -> None:
         """For a process that has just become rank 0: the log as the last commit left it.
 

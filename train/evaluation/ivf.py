@@ -6,7 +6,8 @@ exact search costs N² distance computations. Here faiss does what it does:
 1. a coarse quantizer (k-means, ``nlist`` centroids) is trained on a sample
    of the gallery gathered from every rank; the sample is the items whose
    keyed hash of their global id is smallest, the same at every W, and one
-   rank's centroids reach every rank (:func:`shared_centroids`);
+   rank's centroids (:func:`train_centroids`, on rank 0) reach every rank
+   (:func:`.sharded.sharded_retrieval` gathers them);
 2. each rank fills a ``faiss.IndexIVFFlat`` over those centroids with its
    own shard, keyed by global id;
 3. the queries are searched with faiss's ``contrib.big_batch_search``:

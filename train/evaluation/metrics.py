@@ -210,42 +210,65 @@ def evaluate_retrieval(
     used = np.flatnonzero(relevant > 0)
     names = [f"recall_at_{k}" for k in ks] + ["precision_at_1", "r_precision", "map_at_r"]
     per_query = {name: np.zeros(query.shape[0], dtype=np.float64) for name in names}
-    # slot[row]: where a requested row's neighbours are kept (-1: not requested)
-    distinct = np.unique(wanted)
-    slot = np.full(query.shape[0], -1, dtype=np.int64)
-    slot[distinct] = np.arange(distinct.size)
-    keep_ids = np.full((distinct.size, num_neighbours), -1, dtype=np.int64)
-    keep_dist = np.full(keep_ids.shape, np.inf, dtype=np.float64)
+    shown = _Shown.of(wanted, query.shape[0], num_neighbours)
     index = _build_index(gallery, metric)
-    # Queries in order of R, so each chunk asks for about the k it needs.
-    by_relevant = used[np.argsort(relevant[used], kind="stable")]
-    start = 0
-    while start < by_relevant.size:
-        need = max(max(ks), int(relevant[by_relevant[min(start + chunk_size, by_relevant.size) - 1]]))
-        rows = max(1, min(chunk_size, max_neighbours_per_chunk // max(need, 1)))
-        chunk = np.sort(by_relevant[start:start + rows])
+    search = lambda rows, k: _search_chunk(query, gallery, rows, k, metric, self_gallery, index)  # noqa: E731
+    for chunk in _relevance_chunks(relevant, used, max(ks), chunk_size, max_neighbours_per_chunk):
         need = max(max(ks), int(relevant[chunk].max()))
-        shown = slot[chunk] >= 0
-        dist, ids = _search_chunk(query, gallery, chunk, max(need, num_neighbours) if shown.any() else need,
-                                  metric, self_gallery, index)
-        if shown.any():
-            keep_ids[slot[chunk[shown]]] = ids[shown, :num_neighbours]
-            keep_dist[slot[chunk[shown]]] = dist[shown, :num_neighbours]
+        requested = shown.slot[chunk] >= 0
+        dist, ids = search(chunk, max(need, num_neighbours) if requested.any() else need)
+        shown.keep(chunk[requested], ids[requested], dist[requested])
         ids = ids[:, :need]
         hits = (ids >= 0) & (gallery_codes[np.maximum(ids, 0)] == query_codes[chunk][:, None])
         _score(per_query, chunk, hits, relevant[chunk], ks)
-        start += rows
     # Requested rows without a relevant item were not searched above.
-    missing = distinct[relevant[distinct] <= 0]
+    missing = shown.rows[relevant[shown.rows] <= 0]
     if missing.size:
-        dist, ids = _search_chunk(query, gallery, missing, num_neighbours, metric, self_gallery, index)
-        keep_ids[slot[missing]], keep_dist[slot[missing]] = ids, dist
+        dist, ids = search(missing, num_neighbours)
+        shown.keep(missing, ids, dist)
     count = used.size
     # Means over per-query values in query order: identical for any chunking.
     metrics = {name: (float(values[used].mean()) if count else float("nan")) for name, values in per_query.items()}
     metrics["num_queries"] = int(count)
     metrics["num_excluded"] = int(query.shape[0] - count)
-    return RetrievalResult(metrics, wanted, keep_ids[slot[wanted]], keep_dist[slot[wanted]], metric)
+    return RetrievalResult(metrics, wanted, shown.ids[shown.slot[wanted]], shown.dist[shown.slot[wanted]], metric)
+
+
+@dataclass(frozen=True)
+class _Shown:
+    """The neighbours kept for the requested query rows (a result gallery), one slot per distinct row."""
+
+    rows: np.ndarray  # the distinct requested rows
+    slot: np.ndarray  # slot[row]: where a requested row's neighbours are kept (-1: not requested)
+    ids: np.ndarray
+    dist: np.ndarray
+
+    @classmethod
+    def of(cls, wanted: np.ndarray, num_queries: int, width: int) -> "_Shown":
+        rows = np.unique(wanted)
+        slot = np.full(num_queries, -1, dtype=np.int64)
+        slot[rows] = np.arange(rows.size)
+        ids = np.full((rows.size, width), -1, dtype=np.int64)
+        return cls(rows, slot, ids, np.full(ids.shape, np.inf, dtype=np.float64))
+
+    def keep(self, rows: np.ndarray, ids: np.ndarray, dist: np.ndarray) -> None:
+        """The first neighbours of requested ``rows`` (their search's ``ids`` and ``dist``)."""
+        if not rows.size:
+            return
+        width = self.ids.shape[1]
+        self.ids[self.slot[rows]], self.dist[self.slot[rows]] = ids[:, :width], dist[:, :width]
+
+
+def _relevance_chunks(relevant: np.ndarray, used: np.ndarray, least: int, chunk_size: int, budget: int):
+    """The ``used`` query rows in chunks by increasing R, so each chunk asks for about the k it needs (at least
+    ``least``), each bounded by ``budget`` neighbours; every chunk sorted."""
+    by_relevant = used[np.argsort(relevant[used], kind="stable")]
+    start = 0
+    while start < by_relevant.size:
+        need = max(least, int(relevant[by_relevant[min(start + chunk_size, by_relevant.size) - 1]]))
+        rows = max(1, min(chunk_size, budget // max(need, 1)))
+        yield np.sort(by_relevant[start:start + rows])
+        start += rows
 
 
 def _check_options(metric: str, ks: Sequence[int], *, owner: str = "retrieval_metrics",

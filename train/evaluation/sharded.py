@@ -44,8 +44,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from pksampler import comm
+from pksampler.agree import gather_outcomes
 from pksampler.arrays import as_numpy
+from pksampler.comm import Collectives, started_collectives
 from pksampler.train.evaluation.metrics import _check_options, _score
 from pksampler.train.evaluation.ivf import (IVF_POINTS_PER_LIST, build_ivf, default_nlist, ivf_search, sample_mask,
                                              train_centroids)
@@ -98,27 +99,6 @@ class ShardedResult:
         return np.where(np.isfinite(values), values, np.nan)
 
 
-class _Comm:
-    """The collectives :func:`sharded_retrieval` uses, from :mod:`pksampler.comm` (the trainer passes its backend,
-    which has the same methods and records its progress for timeout reports)."""
-
-    def __init__(self) -> None:
-        self.rank, self.size = comm.world_info()
-        if self.size > 1 and comm.initialised_horovod() is None and comm.initialised_torch_distributed() is None:
-            raise RuntimeError(f"sharded_retrieval: the launcher started {self.size} ranks but neither Horovod nor "
-                               "torch.distributed is initialised here; call hvd.init() or "
-                               "torch.distributed.init_process_group() first (or pass collectives=)")
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return comm.all_gather(tensor)
-
-    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return comm.allreduce_sum(tensor)
-
-    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
-        return comm.all_gather_numpy(row)
-
-
 def _prepare_shard(embeddings: Any, labels: Any, ids: Any, metric: str):
     """The shard as float32 rows sorted by global id (as given: cosine normalises block by block), labels, ids."""
     shard = as_numpy(embeddings, name="sharded_retrieval(embeddings=)", dtype=np.float32, ndim=2)
@@ -165,53 +145,37 @@ def _fingerprint(*values: Any) -> int:
     return int.from_bytes(digest.digest()[:7], "little")
 
 
-#: bytes of a rank's error message that travel in the agreement row (longer ones are cut)
-_MESSAGE_BYTES = 512
-
-
-def _encode_message(message: str | None) -> np.ndarray:
-    raw = (message or "").encode("utf-8")[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
-    return np.frombuffer(raw, dtype=np.int64)
-
-
-def _decode_message(values: np.ndarray) -> str:
-    return np.ascontiguousarray(values, dtype=np.int64).tobytes().rstrip(b"\0").decode("utf-8", errors="replace")
-
-
 #: the error types a rank's bad input may raise, coded 1, 2, ... in the agreement row
 _ERRORS = (ValueError, TypeError)
 
 
-def _agree(collectives, error: Exception | None, query_ids: np.ndarray | None, neighbour_ids: np.ndarray | None,
-           dim: int, **options) -> None:
+def _agree(collectives: Collectives, error: Exception | None, query_ids: np.ndarray | None,
+           neighbour_ids: np.ndarray | None, dim: int, **options) -> None:
     """Raise on every rank (not hang) when a rank's input was bad or the ranks passed different options.
 
-    Every rank validates its input first and sends its error message (or
-    none) in this one collective, so a rank with bad input and the ranks
-    without all raise the same ValueError, naming the rank.
+    Every rank validates its input first and reports its error (or none) and
+    its options' fingerprints in one :func:`pksampler.agree.gather_outcomes`,
+    so a rank with bad input and the ranks without all raise the same
+    ValueError, naming the rank.
     """
     names = ["query_ids", "neighbour_ids", "embedding dimension", *options]
+    mine = [0] * len(names)
     if error is None:
         mine = [_fingerprint(None if query_ids is None else query_ids.tobytes()),
                 _fingerprint(None if neighbour_ids is None else neighbour_ids.tobytes()), dim,
                 *(_fingerprint(value) for value in options.values())]
-    else:
-        mine = [0] * len(names)
-    code = 0 if error is None else 1 + next(i for i, kind in enumerate(_ERRORS) if isinstance(error, kind))
-    head = np.array([code, *mine], dtype=np.int64)
-    rows = collectives.allgather_numpy(np.concatenate([head, _encode_message(None if error is None else str(error))]))
-    failed = np.flatnonzero(rows[:, 0])
-    if failed.size:
-        first = int(failed[0])
-        kind, message = _ERRORS[int(rows[first, 0]) - 1], _decode_message(rows[first, head.size:])
+    outcomes = gather_outcomes(collectives, error, mine, kinds=_ERRORS)
+    failed = outcomes.failed
+    if failed:
+        first = failed[0]
+        kind, message = outcomes.kinds[first], outcomes.messages[first]
         if collectives.size == 1:
             raise kind(message)
-        if failed.size == collectives.size and (rows[:, head.size:] == rows[first, head.size:]).all():
+        if len(failed) == collectives.size and len(set(outcomes.messages)) == 1:
             raise kind(f"sharded_retrieval: on every rank: {message}")
-        others = f" (ranks {failed[1:].tolist()} also failed)" if failed.size > 1 else ""
+        others = f" (ranks {failed[1:]} also failed)" if len(failed) > 1 else ""
         raise kind(f"sharded_retrieval: rank {first} of {collectives.size}: {message}{others}")
-    rows = rows[:, 1:head.size]
-    differ = [name for column, name in enumerate(names) if (rows[:, column] != rows[0, column]).any()]
+    differ = outcomes.differing(names)
     if differ:
         raise ValueError(f"sharded_retrieval: the ranks passed different {', '.join(differ)}; every rank must pass "
                          "the same options and query ids (each rank passes only its own embeddings, labels and ids)")
@@ -330,23 +294,12 @@ class _Plan:
 
 
 def sharded_retrieval(
-    embeddings: Any,
-    labels: Any,
-    ids: Any,
-    *,
-    query_ids: Any = None,
-    ks: Sequence[int] = (1, 5, 10),
-    metric: str = "cosine",
-    neighbour_ids: Any = None,
-    num_neighbours: int = 5,
-    index: str = "flat",
-    nlist: int | None = None,
-    nprobe: int = 16,
-    check_queries: int = 2000,
-    seed: int = 0,
-    chunk_size: int | None = None,
-    max_neighbours_per_chunk: int = 1 << 22,
-    collectives: Any = None,
+    embeddings: Any, labels: Any, ids: Any, *,
+    query_ids: Any = None, ks: Sequence[int] = (1, 5, 10), metric: str = "cosine",
+    neighbour_ids: Any = None, num_neighbours: int = 5,
+    index: str = "flat", nlist: int | None = None, nprobe: int = 16, check_queries: int = 2000, seed: int = 0,
+    chunk_size: int | None = None, max_neighbours_per_chunk: int = 1 << 22,
+    collectives: Collectives | None = None,
 ) -> ShardedResult:
     """Recall@k, precision@1, R-precision and MAP@R of a gallery spread over the ranks, searched where it lies.
 
@@ -371,8 +324,8 @@ def sharded_retrieval(
         seed: keys the IVF's training sample, its k-means and the check sample.
         chunk_size: queries per search (default 4,096 exact, 2¹⁸ IVF); max_neighbours_per_chunk
             bounds queries x k per chunk.
-        collectives: an object with ``rank``, ``size``, ``allgather``, ``allreduce_sum`` and
-            ``allgather_numpy`` (the trainer's backend); ``None`` uses :mod:`pksampler.comm`.
+        collectives: a :class:`pksampler.comm.Collectives` (the trainer's backend); ``None``: the runtime
+            this process started (:func:`pksampler.comm.started_collectives`).
 
     Returns:
         A :class:`ShardedResult`, identical on every rank; with ``index="flat"`` the same for every
@@ -384,18 +337,13 @@ def sharded_retrieval(
             the queries: every id with ``query_ids=None``), a query id held by no rank (raised on
             every rank).
     """
-    collectives = _Comm() if collectives is None else collectives
+    collectives = started_collectives("sharded_retrieval") if collectives is None else collectives
     chunk_size = chunk_size if chunk_size is not None else (4096 if index == "flat" else 1 << 18)
-    # Every rank validates, then the outcome travels in the agreement collective: a bad input on one
-    # rank raises the same ValueError on every rank instead of leaving the others in a collective.
-    error, ks, query_ids, neighbour_ids, (shard, labels, ids) = _validate_locally(
-        embeddings, labels, ids, query_ids=query_ids, neighbour_ids=neighbour_ids, ks=ks, metric=metric,
-        index=index, nlist=nlist, options=dict(num_neighbours=num_neighbours, chunk_size=chunk_size, nprobe=nprobe,
-                                               check_queries=check_queries,
-                                               max_neighbours_per_chunk=max_neighbours_per_chunk))
-    _agree(collectives, error, query_ids, neighbour_ids, shard.shape[1], ks=ks, metric=metric,
-           num_neighbours=num_neighbours, chunk_size=chunk_size, budget=max_neighbours_per_chunk, index=index,
-           nlist=nlist, nprobe=nprobe, check=check_queries, seed=seed)
+    options = dict(ks=ks, metric=metric, num_neighbours=num_neighbours, chunk_size=chunk_size,
+                   budget=max_neighbours_per_chunk, index=index, nlist=nlist, nprobe=nprobe, check=check_queries,
+                   seed=seed)
+    ks, query_ids, neighbour_ids, (shard, labels, ids) = _agreed_input(collectives, embeddings, labels, ids,
+                                                                        query_ids, neighbour_ids, options)
     plan = _Plan(ks, num_neighbours, chunk_size, max_neighbours_per_chunk)
     exact = _exact_search(shard, ids, metric)
     if index == "flat":
@@ -403,6 +351,23 @@ def sharded_retrieval(
     search, moved = _ivf_search(collectives, shard, ids, metric, nlist=nlist, nprobe=nprobe, seed=seed)
     result = _evaluate(collectives, shard, labels, ids, query_ids, neighbour_ids, search, plan, metric)
     return _certified(collectives, result, shard, labels, ids, exact, plan, metric, check_queries, seed, moved)
+
+
+def _agreed_input(collectives: Collectives, embeddings: Any, labels: Any, ids: Any, query_ids: Any,
+                  neighbour_ids: Any, options: dict[str, Any]) -> tuple[tuple[int, ...], Any, Any, tuple]:
+    """This rank's checked input (ks, query ids, neighbour ids, (shard, labels, ids)) once every rank checked its own.
+
+    Every rank validates, then the outcome travels in the agreement collective (:func:`_agree`): a bad input on
+    one rank raises the same ValueError on every rank instead of leaving the others in a collective.
+    """
+    error, ks, query_ids, neighbour_ids, shard = _validate_locally(
+        embeddings, labels, ids, query_ids=query_ids, neighbour_ids=neighbour_ids, ks=options["ks"],
+        metric=options["metric"], index=options["index"], nlist=options["nlist"],
+        options=dict(num_neighbours=options["num_neighbours"], chunk_size=options["chunk_size"],
+                     nprobe=options["nprobe"], check_queries=options["check"],
+                     max_neighbours_per_chunk=options["budget"]))
+    _agree(collectives, error, query_ids, neighbour_ids, shard[0].shape[1], **{**options, "ks": ks})
+    return ks, query_ids, neighbour_ids, shard
 
 
 def _validate_locally(embeddings: Any, labels: Any, ids: Any, *, query_ids: Any, neighbour_ids: Any,

@@ -27,11 +27,12 @@ the same table, so no rank waits for rows that will never come.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from pksampler.comm import Collectives
 from pksampler.train.errors import ConfigError
 
 __all__ = ["BLOCK_BYTES", "HeadRowsLost", "RangeCopy", "Segment", "assemble", "exchange_replica", "holder_row",
@@ -41,15 +42,6 @@ __all__ = ["BLOCK_BYTES", "HeadRowsLost", "RangeCopy", "Segment", "assemble", "e
 BLOCK_BYTES = 64 << 20
 #: copies a rank may report: its own range and one replica (a resumed rank 0: the whole head, one copy)
 _MAX_COPIES = 2
-
-
-class RowCollectives(Protocol):
-    """What moving rows needs from the runtime (a :class:`~pksampler.train.runtime.distributed.Backend`)."""
-
-    rank: int
-    size: int
-
-    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor: ...
 
 
 class HeadRowsLost(ConfigError):
@@ -101,7 +93,7 @@ def _rows_per_block(row_numel: int, element_size: int) -> int:
     return max(1, BLOCK_BYTES // max(1, 2 * row_numel * element_size))
 
 
-def exchange_replica(own: RangeCopy, ranges: Sequence[tuple[int, int]], *, collectives: RowCollectives,
+def exchange_replica(own: RangeCopy, ranges: Sequence[tuple[int, int]], *, collectives: Collectives,
                      shift: int) -> RangeCopy | None:
     """Send ``own`` (this rank's range) to rank ``(r + shift) mod W``; return the range of ``(r − shift) mod W``.
 
@@ -188,7 +180,7 @@ def plan_segments(table: np.ndarray, num_classes: int) -> tuple[int, list[Segmen
 
 
 def assemble(copies: Sequence[RangeCopy], segments: Sequence[Segment], new_ranges: Sequence[tuple[int, int]],
-             rows: torch.Tensor, momentum: torch.Tensor, *, collectives: RowCollectives) -> None:
+             rows: torch.Tensor, momentum: torch.Tensor, *, collectives: Collectives) -> None:
     """Fill ``rows`` and ``momentum`` (this rank's new range) from the segments' holders, in blocks.
 
     A collective: every rank calls it with the same ``segments`` and

@@ -19,7 +19,7 @@ softmax needs no max all-reduce: logits lie in [−scale, scale], so
 ``exp(logit − scale)`` never overflows; the sum of exponentials and the target
 logit are summed over ranks in fp64, once per step. Every rank then holds the
 same loss; each rank's rows give a part of the embeddings' gradient, summed
-over ranks in backward (:class:`_SumGradient`), after which it flows back
+over ranks in backward (:func:`pksampler.comm.sum_gradient`), after which it flows back
 through the embeddings' all-gather like the pair loss's.
 
 The head's rows are not ``nn.Parameter``\\ s: no data-parallel wrapper may
@@ -31,12 +31,14 @@ exists. A step leaves the gradient of its sampled rows in :attr:`pending`;
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch.nn import functional as F
 
+from pksampler.agree import gather_outcomes
+from pksampler.comm import Collectives, sum_gradient, sum_over_ranks
 from pksampler.hashing import splitmix64
 from pksampler.samplers import rank_share
 from pksampler.world import World
@@ -49,17 +51,6 @@ __all__ = ["HEADS", "INIT_STD", "ShardedMarginHead", "derived_scale", "sampled",
 HEADS = ("arcface", "cosface", "softmax")
 _INIT_BLOCK = 4096  # classes per initialisation block (a fixed grid, independent of the world size)
 _GATHER_BLOCK_BYTES = 64 << 20  # bytes one collective of a checkpoint's gather brings to each rank
-
-
-class Collectives(Protocol):
-    """What the head needs from the runtime (a :class:`~pksampler.train.runtime.distributed.Backend`)."""
-
-    rank: int
-    size: int
-
-    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
 
 #: the rows' initial standard deviation per coordinate (insightface Partial FC: N(0, 0.01)), so ‖w‖ ≈ 0.01·√D; the
@@ -142,10 +133,7 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
     total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
     where = "on this host"
     if collectives is not None and collectives.size > 1:
-        row = np.array([total, -1 if available is None else available], dtype=np.int64)
-        gather = getattr(collectives, "allgather_numpy", None)
-        rows = (np.asarray(gather(row)) if gather is not None else
-                collectives.allgather(torch.from_numpy(row).view(1, 2)).cpu().numpy()).reshape(-1, 2)
+        rows = gather_outcomes(collectives, None, [total, -1 if available is None else available]).values
         short = [(int(a) - int(t), rank) for rank, (t, a) in enumerate(rows) if a >= 0 and t > a]
         if not short:
             return
@@ -185,38 +173,13 @@ def sampled(class_ids: np.ndarray, *, seed: int, step: int, rate: float) -> np.n
     return (hashed >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53) < rate
 
 
-class _SumGradient(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ranks (each rank's rows give a part of it)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # type: ignore[override]
-        ctx.collectives = collectives
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return ctx.collectives.allreduce_sum(grad.contiguous()), None
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Sum over ranks forward; backward passes the gradient through (every rank holds the same loss)."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, collectives: Collectives) -> torch.Tensor:  # type: ignore[override]
-        return collectives.allreduce_sum(tensor.contiguous())
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        return grad, None
-
-
 class ShardedMarginHead(torch.nn.Module):
     """This rank's rows of a C-class margin-softmax head; ``head(embeddings, labels)`` is the step's loss.
 
     Args:
         num_classes: C, the global number of classes (labels are 0 … C − 1).
         dim: the embedding size D.
-        collectives: rank, size, ``allreduce_sum`` and ``allgather`` (the trainer's backend).
+        collectives: a :class:`pksampler.comm.Collectives` (the trainer's backend).
         name: the margin kind (:data:`HEADS`).
         scale: s, logits are s·cos; None: :func:`derived_scale` of C.
         margin: m on the target (arcface: cos(θ + m), cosface: cos θ − m).
@@ -309,7 +272,7 @@ class ShardedMarginHead(torch.nn.Module):
             self.before_read(chosen)
         sampled_rows = self.rows[chosen].detach().requires_grad_(True)
         self.pending = (chosen, sampled_rows)
-        features = F.normalize(_SumGradient.apply(embeddings.float(), self.collectives), dim=1)
+        features = F.normalize(sum_gradient(embeddings.float(), self.collectives), dim=1)
         cosine = torch.einsum("nd,skd->nsk", features, F.normalize(sampled_rows, dim=2)).amax(dim=2)
         local = labels.to(chosen.device) - self.lo
         position = torch.searchsorted(chosen, local.clamp(0, max(self.hi - self.lo - 1, 0)))
@@ -330,7 +293,7 @@ class ShardedMarginHead(torch.nn.Module):
             logits = logits.scatter(1, position[:, None],
                                     torch.where(mine, float("-inf"), picked * self.scale)[:, None])
         others = torch.exp(logits.double() - self.scale).sum(dim=1)
-        summed = _SumOverRanks.apply(torch.stack([others, target.double(), plain.double()], dim=1), self.collectives)
+        summed = sum_over_ranks(torch.stack([others, target.double(), plain.double()], dim=1), self.collectives)
         loss = torch.log(summed[:, 0] + torch.exp(summed[:, 1] - self.scale)) + self.scale - summed[:, 1]
         self.last_softmax_loss = self._margin_free(summed.detach())
         return loss.mean().float()

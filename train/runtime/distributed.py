@@ -54,8 +54,12 @@ class CollectiveTimeout(RuntimeError):
     """A collective waited longer than ``train.collective_timeout``; the message names the rank(s) behind."""
 
 
-class Backend:
-    """Single process: every collective is the identity (through :mod:`pksampler.comm`)."""
+class Backend(comm.ProcessCollectives):
+    """Single process: every collective is the identity (through :mod:`pksampler.comm`).
+
+    A :class:`pksampler.comm.Collectives`: the collectives are inherited from
+    :class:`~pksampler.comm.ProcessCollectives`; the world is the backend's own,
+    replaced only by :meth:`set_world`."""
 
     name = "none"
     #: torch.distributed's backend under the process group (``TorchBackend``), None for Horovod and one process
@@ -95,6 +99,11 @@ class Backend:
         return self._world.local_rank
 
     @property
+    def local_size(self) -> int:
+        """Ranks on this host (they share its memory)."""
+        return self._world.local_size
+
+    @property
     def gathered_loss_scale(self) -> float:
         """What the loss of an all-gathered batch is multiplied by: the world size under Horovod, else 1."""
         return float(self.size) if self.scales_gathered_loss else 1.0
@@ -102,39 +111,6 @@ class Backend:
     @property
     def device(self) -> torch.device:
         return self.setup.device
-
-    # --- collectives: one implementation, in pksampler.comm ------------------------
-    def allreduce_mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        return comm.allreduce_mean(tensor)
-
-    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return comm.allreduce_sum(tensor)
-
-    def allgather(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.Tensor:
-        """Concatenate the tensors of all ranks along dim 0, keeping gradients; first dims may differ.
-
-        ``sizes``: every rank's first dim, when known (saves torch a small collective).
-        """
-        return comm.all_gather(tensor, sizes=sizes)
-
-    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor:
-        """Send ``splits[q]`` rows of ``tensor`` to rank q (in rank order); the rows received, in rank order."""
-        return comm.alltoall(tensor, splits)
-
-    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
-        """``(F,)`` int64 row of every rank as a ``(W, F)`` array (fingerprints)."""
-        return comm.all_gather_numpy(row, device=self.collective_device)
-
-    def broadcast_object(self, value: Any, root: int = 0, *, name: str = "pksampler.broadcast_object") -> Any:
-        return comm.broadcast_object(value, root, name=name)
-
-    def barrier(self) -> None:
-        comm.barrier()
-
-    @property
-    def collective_device(self) -> torch.device | None:
-        """Where small tensor collectives must live (NCCL: the rank's GPU)."""
-        return None
 
     # --- data parallelism ------------------------------------------------------------
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -277,10 +253,6 @@ class TorchBackend(Backend):
     def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         self._mark()
         return super().allreduce_sum(tensor)
-
-    def alltoall(self, tensor: torch.Tensor, splits: list[int]) -> torch.Tensor:
-        """Send ``splits[q]`` rows of ``tensor`` to rank q (in rank order); the rows received, in rank order."""
-        return comm.alltoall(tensor, splits)
 
     def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
         self._mark()

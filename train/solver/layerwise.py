@@ -9,11 +9,11 @@ at 4,096 images per step with LARS; BERT at 32k with LAMB.
 
 Why our own implementation: timm's ``timm.optim.Lamb`` and ``timm.optim.Lars``
 are the well-kept ones, but ``import timm`` imports torchvision, whose wheel
-does not load against the CPU torch this project installs (DESIGN.md,
-"Installing Horovod here"), and timm is a test-only dependency. These classes
+does not load against the CPU torch this project installs (docs/install.md),
+and timm is a test-only dependency. These classes
 follow timm's update rules and corner cases (the trainer passes every
 hyper-parameter, so the defaults matter little), and
-``tests/train/test_large_batch.py`` checks one step against the papers'
+``tests/train/solver/test_large_batch.py`` checks one step against the papers'
 formulas written out and several steps against timm's own classes.
 
 The rules, for a parameter ``w`` with gradient ``g`` at step ``t``, learning

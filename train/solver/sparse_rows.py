@@ -105,15 +105,6 @@ class SparseRowSGD:
         self.buffer = torch.zeros_like(self.head.rows)
         self.moved_at = torch.zeros(self.head.rows.shape[0], dtype=torch.int64)
 
-    def reshard(self, saved: dict[str, Any] | None) -> None:
-        """Re-shard the head for the current world and load ``saved`` (:meth:`state_dict`: the whole head);
-        ``None``: no step was taken, the head's initial rows for the new range."""
-        self.begin_world()
-        if saved is not None:
-            self.load_state_dict(saved)
-        else:
-            self.load_initial()
-
     def load_initial(self) -> None:
         """The head's initial rows for the current range (a reset before any step was committed)."""
         if self.steps != 0:

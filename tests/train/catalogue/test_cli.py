@@ -7,29 +7,32 @@ import json
 import numpy as np
 import pytest
 from catalogue_fixtures import clustered, fake_catalogue
+from thread_ranks import on_ranks
 
+from pksampler.agree import gather_outcomes
 from pksampler.train.catalogue import cli
-from pksampler.train.catalogue.embed import _setup_outcome, _setup_row
-from pksampler.train.errors import ConfigError
+from pksampler.train.catalogue.embed import _setup_outcome
+from pksampler.train.errors import ConfigError, SharedConfigError
 
 
 def _outcomes(errors):
-    """What each rank raises after the set-up rows of every rank are gathered (the loop stands in for allgather)."""
-    rows = np.stack([_setup_row(e) for e in errors])
-    return [_setup_outcome(rows, rank, error) for rank, error in enumerate(errors)]
+    """What each rank raises once the set-up outcomes of every rank are gathered (ranks as threads)."""
+    return on_ranks(len(errors), lambda ranks: _setup_outcome(gather_outcomes(ranks, errors[ranks.rank]), ranks.rank,
+                                                              errors[ranks.rank]))
 
 
 def test_a_set_up_error_of_one_rank_stops_every_rank_and_is_shown_by_that_rank():
     missing = ConfigError("--data: '/data/d1' is neither a folder, a list file nor an s3:// location")
     outcomes = _outcomes([None, missing, None])
     assert all(isinstance(o, ConfigError) for o in outcomes)  # nobody goes on into a collective
-    assert outcomes[1] is missing and not missing.shown_by_rank0  # rank 1 shows its own line
-    assert str(outcomes[0]).startswith("stopped: rank(s) [1] hit bad input") and outcomes[0].shown_by_rank0
-    assert outcomes[2].shown_by_rank0  # rank 0 says it; rank 2 stays quiet
+    assert outcomes[1] is missing  # rank 1 shows its own line
+    assert str(outcomes[0]).startswith("stopped: rank(s) [1] hit bad input")
+    assert isinstance(outcomes[0], SharedConfigError) and isinstance(outcomes[2], SharedConfigError)  # rank 0 says it
 
     same = [ConfigError("--part-size: must be a positive int, got 0") for _ in range(3)]
     outcomes = _outcomes(same)
-    assert [getattr(o, "shown_by_rank0") for o in outcomes] == [False, True, True]  # once, by rank 0
+    assert [isinstance(o, SharedConfigError) for o in outcomes] == [False, True, True]  # once, by rank 0
+    assert [str(o) for o in outcomes] == [str(e) for e in same]
     assert _outcomes([None, None]) == [None, None]
 
 

@@ -92,3 +92,28 @@ def test_finite_statistics_whose_sum_overflows_stop_every_rank_instead_of_becomi
     assert all(result == (message, name, True) for result in results), results
     assert message.startswith(f"BatchNorm running statistic {name} is finite on every rank but its mean over the 2 "
                               "ranks is not"), message
+
+
+def test_the_hook_is_built_at_one_rank_so_a_world_that_grows_averages_and_one_rank_keeps_its_own(tmp_path):
+    """Before: built only when the run started on more than one rank, so a Horovod elastic run that started on
+    one rank and grew never averaged its statistics."""
+    from pksampler.train.engine.elastic import HorovodElasticMode
+    from pksampler.train.run_setup import assemble
+    from pksampler.train.runtime.distributed import Backend
+
+    tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
+            "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+            "model.depth=[1]", "model.embedding_dim=8", "model.norm=batch", f"workspace={tmp_path / 'run'}",
+            "train.max_steps=2", "train.tensorboard=false"]
+    backend = Backend()
+    run = assemble(load_config(None, tiny, environ={}), backend, mode=HorovodElasticMode(backend, commit_every=1))
+    try:
+        (built,) = [h for h in run.trainer.hooks if isinstance(h, NormStatisticsHook)]
+        model = run.trainer.parts.model.train()
+        model(torch.randn(8, 3, 16, 16, generator=torch.Generator().manual_seed(0)))
+        own = [buffer.clone() for buffer in running_statistics(model)]
+        built.after_epoch()  # one rank: the mean over the ranks is its own statistics, bit for bit
+        assert own and all(torch.equal(a, b) for a, b in zip(own, running_statistics(model)))
+        assert built.world() is backend.world  # read live: a reset's new world is the one it averages over
+    finally:
+        run.close()

@@ -37,6 +37,7 @@ def _sampler(size: int, rank: int) -> DistributedBalancedBatchSampler:
     ({"rank": 2, "size": 2}, r"World\(rank=\) must be in \[0, 2\) for size=2, got 2"),
     ({"size": 0}, r"World\(size=\) expects a positive int, got 0"),
     ({"local_rank": -1}, r"World\(local_rank=\) expects an int >= 0, got -1"),
+    ({"local_size": 0}, r"World\(local_size=\) expects a positive int, got 0"),
 ])
 def test_a_bad_world_is_refused_naming_the_argument_the_value_and_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -61,8 +62,11 @@ def test_the_world_is_read_from_the_launcher_and_is_frozen(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     world = World.detect()
-    assert world == World(rank=3, size=4, local_rank=1) and not world.is_main
+    assert world == World(rank=3, size=4, local_rank=1) and not world.is_main and world.local_size == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's ranks per host: the host's memory is shared by them
+    assert World.detect() == World(rank=3, size=4, local_rank=1, local_size=2)
     with pytest.raises(AttributeError):
         world.rank = 0  # type: ignore[misc]
 
@@ -168,7 +172,7 @@ def test_the_static_mode_checks_now_and_the_elastic_mode_in_every_new_world():
     assert static.is_main() and elastic.is_main()
     backend.set_world(World(rank=1, size=2))
     assert not static.is_main() and not elastic.is_main()  # always asked, never a fixed flag
-    assert elastic.world_may_change and not static.world_may_change
+    assert elastic.keeps_commits and not static.keeps_commits
 
 
 def test_the_main_rank_hooks_follow_the_mode():

@@ -8,48 +8,17 @@ real launchers in tests/distributed/test_sharded_eval.py.
 from __future__ import annotations
 
 import re
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
+from thread_ranks import Group as _Group, ThreadRank
+
 from pksampler.world import World
 from pksampler.train.evaluation import evaluate_retrieval, recall_standard_error, sharded_retrieval, stratified_queries
 from pksampler.train.evaluation.shard_search import merge_topk, search_shard
-
-
-class _Group:
-    """What every thread-rank put in, once all of them did (a barrier on both sides)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.barrier = threading.Barrier(size, timeout=120)
-        self.slots: list = [None] * size
-
-    def exchange(self, rank: int, value):
-        self.slots[rank] = value
-        self.barrier.wait()
-        values = list(self.slots)
-        self.barrier.wait()
-        return values
-
-
-class ThreadRank:
-    """The collectives sharded_retrieval uses, between threads."""
-
-    def __init__(self, group: _Group, rank: int) -> None:
-        self.group, self.rank, self.size = group, rank, group.size
-
-    def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.group.exchange(self.rank, tensor.clone()))
-
-    def allreduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return torch.stack(self.group.exchange(self.rank, tensor.clone())).sum(dim=0)
-
-    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
-        return np.stack(self.group.exchange(self.rank, np.asarray(row).copy()))
 
 
 def run_ranks(world: int, embeddings: np.ndarray, labels: np.ndarray, *, seed: int = 0, per_rank=None, **options):

@@ -53,6 +53,9 @@ class Member:
     def allgather(self, tensor: torch.Tensor) -> torch.Tensor:
         return torch.cat(self.group._exchange(self.rank, tensor))
 
+    def allgather_numpy(self, row: np.ndarray) -> np.ndarray:
+        return self.allgather(torch.from_numpy(np.ascontiguousarray(row, dtype=np.int64))[None]).numpy()
+
 
 def run_ranks(world: int, work) -> list:
     """``work(collectives)`` on ``world`` threaded ranks; their results in rank order (an error re-raised)."""
@@ -201,7 +204,8 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     def after(group):
         _, head, rows, saved = survivors[group.rank]
         head.collectives = group  # the backend's rank and size change in place at a reset
-        rows.reshard(saved)
+        rows.begin_world()
+        rows.load_state_dict(saved)
         assert (head.lo, head.hi) == shard_range(C, 2, group.rank) and rows.buffer.shape == head.rows.shape
         return head_steps(head, rows, range(3, 6))
 
@@ -217,11 +221,12 @@ def test_a_reset_before_the_first_step_rebuilds_the_initial_rows_of_the_new_rang
         head = ShardedMarginHead(C, D, Member(ThreadGroup(3), old_rank), **spec, seed=1)
         rows = SparseRowSGD(head, momentum=0.9)
         head.collectives = Member(ThreadGroup(2), old_rank // 2)
-        rows.reshard(None)
+        rows.begin_world()
+        rows.load_initial()
         assert torch.equal(head.rows, fresh[old_rank // 2]) and rows.buffer.shape == head.rows.shape
     rows.step(lr=0.1)  # a step taken (nothing sampled): the initial rows are no longer the state
     with pytest.raises(RuntimeError, match="took 1 steps but has no committed copy"):
-        rows.reshard(None)
+        rows.load_initial()
 
 
 def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_process(monkeypatch):
@@ -234,7 +239,7 @@ def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_
     config = load_config(None, ["head.name=arcface", "train.gather_embeddings=false"], environ={})
     backend = SimpleNamespace(name="horovod", size=1, rank=0)
     mode = choose_run_mode(backend, commit_every=config.train.commit_every)
-    assert mode.keeps_commits and mode.world_may_change
+    assert mode.keeps_commits
     with pytest.raises(ConfigError, match="a sharded head needs train.gather_embeddings: true"):
         HeadedLoss.from_config(config, backend, None, num_classes=10, global_batch=64, row_optimizer=SparseRowSGD,
                                gathered=config.train.gather_embeddings, elastic=mode.keeps_commits)

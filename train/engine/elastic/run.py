@@ -134,7 +134,6 @@ class HorovodElasticMode(RunMode):
     ``commit_every``: global steps between in-memory commits (``train.commit_every``).
     """
 
-    world_may_change = True
     keeps_commits = True
 
     def __init__(self, backend: Any, *, commit_every: int) -> None:
