@@ -190,9 +190,11 @@ def _index_line(meta: dict, catalogue: Path, out: Path) -> str:
     if last["how"] != "built":
         drift = meta["last_drift"]
         fit = (f"drift {drift['ratio']:.2f}x (limit {drift['limit']:g})" if drift["applies"] else "exact: no drift")
+        held = (f"the delta of +{last['delta_added']} -{last['delta_removed']} merged into a new base file"
+                if last["how"] == "compacted" else
+                f"{meta['base_count']} in the base file, delta +{last['delta_added']} -{last['delta_removed']}")
         return (f"[pksampler] index: {last['how']} to version {last['version']} in {last['seconds']:.2f} s: "
-                f"+{last['added']} vectors, -{last['removed']} ids; {meta['count']} live ({meta['base_count']} in "
-                f"the base file, delta +{last['delta_added']} -{last['delta_removed']}); {fit}; "
+                f"+{last['added']} vectors, -{last['removed']} ids; {meta['count']} live ({held}); {fit}; "
                 f"{out / meta['index_file']}")
     cert = meta["certificate"]
     return (f"[pksampler] index: {meta['kind']} over {meta['count']} x {meta['dim']} in {meta['build_seconds']:.1f} s"
