@@ -122,10 +122,11 @@ def plan_version(catalogue: Path, manifest: dict[str, Any] | None, listing: tupl
 
 
 def _live_checked(catalogue: Path, manifest: dict[str, Any]) -> dict[str, tuple[int, int, str]]:
+    live = live_items(catalogue, manifest)
     if not isinstance(manifest.get("next_id"), int):
         raise ConfigError(f"{catalogue / 'manifest.json'}: next_id is missing; embed the catalogue again into a new "
                           "folder")
-    return live_items(catalogue, manifest)
+    return live
 
 
 class ItemNames:
