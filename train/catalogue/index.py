@@ -157,10 +157,9 @@ def _fill(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, An
     count = manifest["count"]
     if kind != "flat":
         ivf = faiss.extract_index_ivf(index)
-        # PQ's codebooks (256 centroids per sub-vector) want about 40 vectors per centroid as well
-        size = min(count, max(ivf.nlist * options.train_per_list, 10_000 if kind == "ivfpq" else 0))
-        rng = np.random.default_rng([options.seed, 1])
-        sample, _ = _rows(catalogue, manifest, np.sort(rng.choice(count, size=size, replace=False)))
+        positions = _training_positions(kind, ivf.nlist, count, options)
+        size = len(positions)
+        sample, _ = _rows(catalogue, manifest, positions)
         if size < ivf.nlist:
             raise ConfigError(f"--nlist: {ivf.nlist} lists need at least as many vectors to train, the catalogue "
                               f"holds {count}")
@@ -170,6 +169,13 @@ def _fill(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, An
         return
     for _, embeddings, ids in iter_parts(catalogue, manifest):
         index.add_with_ids(np.ascontiguousarray(embeddings, dtype=np.float32), np.ascontiguousarray(ids))
+
+
+def _training_positions(kind: str, nlist: int, count: int, options: IndexOptions) -> np.ndarray:
+    """Sorted rows of the quantiser's seeded training sample."""
+    # PQ's codebooks (256 centroids per sub-vector) want about 40 vectors per centroid as well
+    size = min(count, max(nlist * options.train_per_list, 10_000 if kind == "ivfpq" else 0))
+    return np.sort(np.random.default_rng([options.seed, 1]).choice(count, size=size, replace=False))
 
 
 def _add_preallocated(ivf: faiss.IndexIVFFlat, catalogue: Path, manifest: dict[str, Any]) -> None:
@@ -355,15 +361,19 @@ def history_digest(manifest: dict[str, Any], upto: int) -> str:
 
 def _drift_base(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, Any], out: Path,
                 options: IndexOptions) -> dict[str, Any] | None:
-    """An IVF index's centroids (written beside it) and the mean squared distance of a seeded sample of the
-    catalogue to them: what the drift check compares new vectors with."""
+    """An IVF index's centroids (written beside it) and the mean squared distance to them of a seeded sample of
+    the catalogue's vectors that did not train them (those lie closer): what the drift check compares new vectors
+    with."""
     if kind == "flat":
         return None
     ivf = faiss.extract_index_ivf(index)
     centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
     count = int(manifest["count"])
+    unseen = np.setdiff1d(np.arange(count), _training_positions(kind, ivf.nlist, count, options))
+    pool = unseen if len(unseen) else np.arange(count)
     rng = np.random.default_rng([options.seed, 3])
-    sample, _ = _rows(catalogue, manifest, np.sort(rng.choice(count, size=min(count, DRIFT_SAMPLE), replace=False)))
+    sample, _ = _rows(catalogue, manifest, np.sort(rng.choice(pool, size=min(len(pool), DRIFT_SAMPLE),
+                                                              replace=False)))
     return {"centroids": write_array(out, CENTROIDS, centroids), "sample": len(sample),
             "base_mean_sq_distance": mean_sq_distance(centroids, sample)}
 
