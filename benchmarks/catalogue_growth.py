@@ -16,8 +16,8 @@ random ids. Then, in this process, with faiss on ``--threads`` threads:
 * **load**: :func:`~pksampler.train.catalogue.index.load_index` of each
   (the updated one merges its delta);
 * **recall** against exact search over the live vectors, for ``--queries``
-  new views of random live products, both indexes at the same nprobe (the
-  certified one, and 64): Recall@10 (the exact nearest neighbour is among
+  new views of random live products, both indexes at the same nprobes (each
+  build's certified one, and 64): Recall@10 (the exact nearest neighbour is among
   the first ten, the certificate's definition) and 10-recall@10 (the share
   of the exact ten found).
 
@@ -138,7 +138,8 @@ def run(work: Path, count: int, dim: int, growth: float, queries: int, threads: 
     query = _views(centres, picked, rng)
     _, local = faiss.knn(query, vectors, 10, metric=faiss.METRIC_INNER_PRODUCT)
     exact = ids[local]
-    recall = {name: [_recall(searcher.index, nprobe, query, exact) for nprobe in (base["nprobe"], 64)]
+    nprobes = sorted({base["nprobe"], rebuilt["nprobe"], 64})
+    recall = {name: [_recall(searcher.index, nprobe, query, exact) for nprobe in nprobes]
               for name, (searcher, _) in loads.items()}
     return {"count": count, "dim": dim, "added": extra, "removed": len(removed), "threads": threads,
             "nlist": base["nlist"], "certified_nprobe_v1": base["nprobe"], "certified_nprobe_rebuilt": rebuilt["nprobe"],

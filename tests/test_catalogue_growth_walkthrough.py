@@ -31,10 +31,12 @@ def test_the_growth_walkthrough_runs_as_written(tmp_path):
     meta = json.loads((shop / "index" / "index.json").read_text())
     assert [h["how"] for h in meta["history"]] == ["built", "updated"] and meta["count"] == 415
     assert "index: updated to version 2" in output
-    # week 1 cannot find product 50 (not in the catalogue yet); week 2 finds it first
+    # week 1 cannot find product 50 (not in the catalogue yet); week 2 finds its photo first, under a new id
     before, after = _results(shop / "week1"), _results(shop / "week2")
     assert all(r["class"] != "product_00050" for r in before[1]["results"])
-    assert after[1]["results"][0]["class"] == "product_00050" and after[1]["results"][0]["id"] >= 384
+    top = after[1]["results"][0]
+    assert top["path"].endswith("product_00050/00003.png") and top["id"] >= 384, after[1]
+    assert top["similarity"] == pytest.approx(1.0, abs=1e-5)
     removed = set(week2["removed"])
     assert not removed & {r["id"] for line in after for r in line["results"]}
     assert not any(r["path"].endswith("product_00020/00007.png") for line in after for r in line["results"])
