@@ -68,18 +68,18 @@ def test_an_ivf_index_grows_and_shrinks_without_rewriting_its_base(tmp_path, cap
     # week 3: vectors from elsewhere (uniform on the sphere, far from the catalogue's clusters); one of week 2's
     # ids removed again: it leaves the delta, not the base
     rng = np.random.default_rng(3)
-    far = rng.standard_normal((300, dim)).astype(np.float32)
+    far = rng.standard_normal((600, dim)).astype(np.float32)
     versions.append((far / np.linalg.norm(far, axis=1, keepdims=True), [3001]))
     versioned_catalogue(catalogue, versions, part_size=1000)
     capsys.readouterr()
     assert cli.build_index_main([str(catalogue), "--out", str(out), "--kind", "ivfflat", "--nlist", "16",
                                 "--compact-fraction", "0.5"]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert printed[0].startswith("[pksampler] index: updated to version 3") and "+300 vectors, -1 ids" in printed[0]
+    assert printed[0].startswith("[pksampler] index: updated to version 3") and "+600 vectors, -1 ids" in printed[0]
     assert "retrain the coarse quantizer" in printed[1] and "--rebuild" in printed[1], printed
     meta = json.loads((out / "index.json").read_text())
     assert meta["last_drift"]["retrain"] and meta["last_drift"]["ratio"] > 1.2
-    assert (meta["history"][-1]["delta_added"], meta["history"][-1]["delta_removed"]) == (449, 3)
+    assert (meta["history"][-1]["delta_added"], meta["history"][-1]["delta_removed"]) == (749, 3)
     _check_exact(out, versions, np.concatenate([queries, versions[-1][0][:5]]))
 
     # past the compaction share, the delta is merged into a new base file; the old files go
