@@ -85,6 +85,18 @@ def test_a_catalogue_grows_by_what_changed_and_its_index_follows(tmp_path, capsy
     assert cli.build_index_main([str(catalogue), "--out", str(index)]) == 0
     assert "already holds version 2" in capsys.readouterr().out
 
+    # week 3 only withdraws a view: a version with nothing to embed, its id leaves the index
+    (data / "product_00000" / "00001.png").unlink()
+    third = embed_catalogue(checkpoint, str(data), catalogue, Backend(), options=OPTIONS)
+    assert third["versions"][2] | {"embedded_at": None} == {
+        "version": 3, "added": 0, "changed": 0, "removed": [1], "model_digest": first["model"]["digest"],
+        "items": None, "count": 0, "bad": 0, "embedded_at": None}
+    assert (third["count"], third["next_id"]) == (26, 29)
+    meta = grow_index(catalogue, index, options=IndexOptions(compact_fraction=1.0))
+    assert meta["count"] == 26 and meta["history"][-1]["removed"] == 1
+    lines = query_catalogue(index, scans, tmp_path / "query3", checkpoint=checkpoint, k=26)
+    assert all(1 not in {r["id"] for r in line["results"]} and len(line["results"]) == 26 for line in lines)
+
 
 def test_growth_refuses_another_model_and_a_catalogue_without_item_tables(tmp_path, capsys):
     checkpoint, other = make_checkpoint(tmp_path / "a.pt"), make_checkpoint(tmp_path / "b.pt", seed=1)
