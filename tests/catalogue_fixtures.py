@@ -59,3 +59,34 @@ def fake_catalogue(folder, vectors: np.ndarray, *, part_size: int, missing: tupl
                             "dim": vectors.shape[1], "count": sum(e["count"] for e in entries), "bad": len(missing),
                             "bad_ids": list(missing), "parts": entries})
     return folder
+
+
+def versioned_catalogue(folder, versions: list[tuple[np.ndarray, list[int]]], *, part_size: int,
+                        digest: str = "d" * 64):
+    """A catalogue of several versions as the embedder lays it out: version ``v`` adds its vectors under the next
+    ids (version 1's parts at the top, later ones in ``versions/000v``) and removes the ids it lists."""
+    from pksampler.train.catalogue.parts import version_folder
+
+    entries, top_parts, next_id, count = [], [], 0, 0
+    for number, (vectors, removed) in enumerate(versions, start=1):
+        plan = PartPlan(len(vectors), part_size, first_id=next_id)
+        parts = []
+        for part in range(plan.num_parts):
+            ids, (start, stop) = plan.ids(part), plan.bounds(part)
+            write_part(version_folder(folder, number), part, vectors[start:stop], ids,
+                       {"first": int(ids[0]), "stop": int(ids[-1]) + 1, "count": len(ids), "bad": [],
+                        "model_digest": digest})
+            parts.append({"part": part, "count": len(ids), "first": int(ids[0]), "stop": int(ids[-1]) + 1})
+        entry = {"version": number, "added": len(vectors), "changed": 0, "removed": list(removed), "items": None,
+                 "count": len(vectors), "model_digest": digest}
+        if number == 1:
+            top_parts, top_plan = parts, {"total": plan.total, "part_size": part_size, "parts": plan.num_parts}
+        else:
+            entry.update(plan={"first_id": next_id, "total": plan.total, "part_size": part_size}, parts=parts)
+        entries.append(entry)
+        next_id, count = next_id + len(vectors), count + len(vectors) - len(removed)
+    write_manifest(folder, {"model": {"digest": digest, "checkpoint": "none"},
+                            "source": {"location": str(folder), "kind": "folder", "images": count},
+                            "plan": top_plan, "dim": versions[0][0].shape[1], "count": count, "embedded": next_id,
+                            "bad": 0, "bad_ids": [], "next_id": next_id, "parts": top_parts, "versions": entries})
+    return folder

@@ -324,3 +324,23 @@ def launch_agents(script: str | Path, *args: str, agents: int = 2, nproc: int = 
         for process in processes:
             if process.poll() is None:
                 kill_agent(process)
+
+
+def page_walkthrough(page: Path) -> str:
+    """The ``bash`` blocks between a docs page's ``<!-- walk-through -->`` markers, as one script."""
+    import re
+
+    text = page.read_text(encoding="utf-8")
+    section = text.split("<!-- walk-through -->", 1)[1].split("<!-- /walk-through -->", 1)[0]
+    return "\n".join(re.findall(r"```bash\n(.*?)```", section, flags=re.S))
+
+
+def run_walkthrough(script: str, folder: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """``script`` under ``bash -e`` in ``folder``, which sees the repository's ``train/`` and ``configs/`` (as a fresh
+    clone would), ``python`` and ``horovodrun`` being this environment's."""
+    for name in ("train", "configs"):
+        (folder / name).symlink_to(ROOT / name)
+    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
+           "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180", "PYTHONUNBUFFERED": "1"}
+    # a launch of its own: an interrupted test ends the walk-through's ranks too
+    return run_launcher(["bash", "-e", "-c", script], kind="walkthrough", timeout=timeout, env=env, cwd=folder)

@@ -9,34 +9,20 @@ after the other with ``bash -e`` in a fresh folder that sees the repository's
 from __future__ import annotations
 
 import json
-import os
-import re
-import sys
 
 import pytest
-from launch import ROOT, run_launcher
+from launch import ROOT, page_walkthrough, run_walkthrough
 from PIL import Image
 
 PAGE = ROOT / "docs" / "catalogue.md"
 pytestmark = pytest.mark.horovod
 
 
-def walkthrough() -> str:
-    text = PAGE.read_text(encoding="utf-8")
-    section = text.split("<!-- walk-through -->", 1)[1].split("<!-- /walk-through -->", 1)[0]
-    return "\n".join(re.findall(r"```bash\n(.*?)```", section, flags=re.S))
-
-
 def test_the_walkthrough_runs_as_written(tmp_path):
-    script = walkthrough()
+    script = page_walkthrough(PAGE)
     assert all(step in script for step in ("retrieval.py", "export_model.py", "horovodrun", "embed_catalogue.py",
                                            "build_index.py", "query_catalogue.py"))
-    for name in ("train", "configs"):
-        (tmp_path / name).symlink_to(ROOT / name)
-    env = {**os.environ, "PATH": f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ['PATH']}",
-           "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180", "PYTHONUNBUFFERED": "1"}
-    # a launch of its own: an interrupted run ends the walk-through's ranks too (tests/launch.py)
-    result = run_launcher(["bash", "-e", "-c", script], kind="walkthrough", timeout=420, env=env, cwd=tmp_path)
+    result = run_walkthrough(script, tmp_path, timeout=420)
     output = result.stdout
     assert result.returncode == 0, output[-5000:]
     work = tmp_path / "workspace" / "catalogue-demo"

@@ -29,9 +29,13 @@ def _parts(folder):
     return manifest, [read_part(folder, e["part"], mmap=False) for e in manifest["parts"]]
 
 
-def _same(a, b):
-    (ma, pa), (mb, pb) = _parts(a), _parts(b)
-    assert ma["parts"] == mb["parts"] and ma["bad_ids"] == mb["bad_ids"] and ma["model"] == mb["model"]
+def _same(a, b, parts=None):
+    """The parts of ``a`` and ``b`` (a catalogue, or one version's folder with its ``parts``) are equal bit for bit."""
+    if parts is None:
+        (ma, pa), (mb, pb) = _parts(a), _parts(b)
+        assert ma["parts"] == mb["parts"] and ma["bad_ids"] == mb["bad_ids"] and ma["model"] == mb["model"]
+    else:
+        pa, pb = ([read_part(f, e["part"], mmap=False) for e in parts] for f in (a, b))
     for (ea, ia), (eb, ib) in zip(pa, pb):
         assert np.array_equal(ia, ib) and np.array_equal(ea, eb)
 
@@ -91,10 +95,37 @@ def test_two_ranks_write_the_parts_of_one_process_and_a_restart_skips_finished_o
 
     # another model's parts are not mixed in
     other = make_checkpoint(tmp_path / "other.pt", seed=1)
-    with pytest.raises(ConfigError, match=r"--out: .* holds parts embedded by another model"):
+    with pytest.raises(ConfigError, match=r"--checkpoint: .* holds parts embedded by another model .* a new model "
+                                          r"means a new catalogue"):
         embed_catalogue(other, str(data), tmp_path / "two", Backend(), options=options)
     with pytest.raises(ConfigError, match=r"--checkpoint: .*other\.pt is not the model the catalogue was embedded"):
         query_catalogue(tmp_path / "index", [query], tmp_path / "results", checkpoint=other)
+
+    # the catalogue grows: two ranks fingerprint the source and embed version 2 as one process does
+    _grow(data)
+    grown = embed_catalogue(checkpoint, str(data), tmp_path / "one", Backend(), options=options)
+    result = horovodrun(SCRIPT, "--checkpoint", str(checkpoint), "--data", str(data), "--out", str(tmp_path / "two"),
+                        "--part-size", "8", "--batch-size", "3", "--workers", "1", "--max-bad-fraction", "0.1",
+                        timeout=240)
+    assert result.returncode == 0 and "version 2 of" in result.stdout, result.stdout[-4000:]
+    entry = grown["versions"][1]
+    assert (entry["added"], entry["changed"], entry["removed"], entry["count"]) == (5, 1, [11, 22, 40], 6)
+    two = read_manifest(tmp_path / "two")
+    assert [{k: v for k, v in e.items() if k != "embedded_at"} for e in two["versions"]] == \
+        [{k: v for k, v in e.items() if k != "embedded_at"} for e in grown["versions"]]
+    assert (two["count"], two["bad_ids"]) == (grown["count"], grown["bad_ids"]) == (44 - 2 + 6, [])
+    _same(tmp_path / "one" / "versions" / "0002", tmp_path / "two" / "versions" / "0002", parts=entry["parts"])
+
+
+def _grow(data):
+    """Week 2: product_00009 arrives (a copy of product_00000's views), product_00002's view 1 is retaken, the bad
+    image and product_00008's last view are withdrawn."""
+    import shutil
+
+    shutil.copytree(data / "product_00000", data / "product_00009")
+    shutil.copy(data / "product_00003" / "00000.png", data / "product_00002" / "00001.png")
+    (data / "product_00004" / "00002.png").unlink()
+    (data / "product_00008" / "00000.png").unlink()
 
 
 def test_ranks_given_different_catalogues_stop_together_with_one_line(tmp_path):

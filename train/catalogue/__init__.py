@@ -8,7 +8,11 @@ The application layer's second room beside the trainer (nothing imports it):
   ``torch.export`` program (``.pt2``), the preprocessing in each file's metadata;
 * :mod:`.parts` and :mod:`.embed` embed a catalogue across ranks into ``.npy``
   parts that faiss and autofaiss read as they are;
+* :mod:`.versions` records each version's items (name, class, content
+  fingerprint), so embedding the source again adds only what is new or
+  changed and removes what left;
 * :mod:`.index` builds a faiss index from the parts with a recall certificate;
+  :mod:`.update` and :mod:`.delta` grow and shrink it in place;
 * :mod:`.query` searches it and writes JSON lines and a gallery PNG.
 
 The scripts beside ``train/retrieval.py`` run the steps: ``export_model.py``,

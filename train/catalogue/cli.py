@@ -142,7 +142,8 @@ def embed_main(argv: list[str] | None = None) -> int:
 
 
 def build_index_main(argv: list[str] | None = None) -> int:
-    parser = _parser("Build a faiss index over an embedded catalogue, with a recall certificate.")
+    parser = _parser("Build a faiss index over an embedded catalogue, with a recall certificate; an index of an "
+                     "earlier version of the same catalogue in --out is updated in place.")
     parser.add_argument("catalogue", type=Path, help="the folder train/embed_catalogue.py wrote")
     parser.add_argument("--out", type=Path, required=True, help="folder for index.faiss and index.json")
     parser.add_argument("--kind", default="auto", help="auto (flat up to --flat-limit, else ivfflat), flat, ivfflat, ivfpq")
@@ -152,21 +153,55 @@ def build_index_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--queries", type=int, default=2000, help="sampled queries of the recall certificate")
     parser.add_argument("--target", type=float, default=0.99, help="Recall@1 the search setting must reach")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rebuild", action="store_true",
+                        help="build afresh (retrain the IVF centroids, certify again) instead of updating")
+    parser.add_argument("--drift-limit", type=float, default=1.2,
+                        help="update: the new vectors' mean squared distance to their IVF centroids, as a multiple "
+                             "of the indexed ones', past which the update says to --rebuild (1.2)")
+    parser.add_argument("--compact-fraction", type=float, default=0.1,
+                        help="update: merge the delta into the base file once it passes this share of it (0.1)")
     args = parser.parse_args(argv)
 
     def step() -> None:
-        from pksampler.train.catalogue.index import IndexOptions, build_index
+        from pksampler.train.catalogue.index import IndexOptions
+        from pksampler.train.catalogue.update import grow_index
 
         options = IndexOptions(kind=args.kind, flat_limit=args.flat_limit, nlist=args.nlist, pq_bytes=args.pq_bytes,
-                               queries=args.queries, target=args.target, seed=args.seed)
-        meta = build_index(args.catalogue, args.out, options=options)
-        cert = meta["certificate"]
-        print(f"[pksampler] index: {meta['kind']} over {meta['count']} x {meta['dim']} in {meta['build_seconds']:.1f} s"
-              + (f", nlist {meta['nlist']} nprobe {meta['nprobe']}" if meta["nlist"] else "")
-              + (f"; Recall@1 {cert['recall_at_1']:.4f} Recall@10 {cert['recall_at_10']:.4f} against exact search on "
-                 f"{cert['queries']} sampled queries" if cert.get("queries") else "")
-              + f"; {args.out / 'index.faiss'}", flush=True)
+                               queries=args.queries, target=args.target, seed=args.seed, rebuild=args.rebuild,
+                               drift_limit=args.drift_limit, compact_fraction=args.compact_fraction)
+        meta = grow_index(args.catalogue, args.out, options=options)
+        print(_index_line(meta, args.catalogue, args.out), flush=True)
+        drift = meta.get("last_drift") or {}
+        if meta["history"][-1]["how"] in ("updated", "compacted") and drift.get("retrain"):
+            print(f"[pksampler] index: drift: the {drift['vectors']} vectors added since the base was built lie "
+                  f"{drift['ratio']:.2f}x as far from their IVF centroids as the indexed ones (mean squared distance "
+                  f"{drift['mean_sq_distance']:.4f} against {drift['base_mean_sq_distance']:.4f}, past --drift-limit "
+                  f"{drift['limit']:g}): retrain the coarse quantizer: python train/build_index.py {args.catalogue} "
+                  f"--out {args.out} --rebuild", flush=True)
     return _run(step)
+
+
+def _index_line(meta: dict, catalogue: Path, out: Path) -> str:
+    """The one line that says what ``build_index.py`` did: built, updated, compacted, or nothing to do."""
+    last = meta["history"][-1]
+    if last["how"] == "up to date":
+        return (f"[pksampler] index: {out} already holds version {last['version']} of {catalogue}; nothing to "
+                "update")
+    if last["how"] != "built":
+        drift = meta["last_drift"]
+        fit = (f"drift {drift['ratio']:.2f}x (limit {drift['limit']:g})" if drift["applies"] else "exact: no drift")
+        held = (f"the delta of +{last['delta_added']} -{last['delta_removed']} merged into a new base file"
+                if last["how"] == "compacted" else
+                f"{meta['base_count']} in the base file, delta +{last['delta_added']} -{last['delta_removed']}")
+        return (f"[pksampler] index: {last['how']} to version {last['version']} in {last['seconds']:.2f} s: "
+                f"+{last['added']} vectors, -{last['removed']} ids; {meta['count']} live ({held}); {fit}; "
+                f"{out / meta['index_file']}")
+    cert = meta["certificate"]
+    return (f"[pksampler] index: {meta['kind']} over {meta['count']} x {meta['dim']} in {meta['build_seconds']:.1f} s"
+            + (f", nlist {meta['nlist']} nprobe {meta['nprobe']}" if meta["nlist"] else "")
+            + (f"; Recall@1 {cert['recall_at_1']:.4f} Recall@10 {cert['recall_at_10']:.4f} against exact search on "
+               f"{cert['queries']} sampled queries" if cert.get("queries") else "")
+            + f"; {out / meta['index_file']}")
 
 
 def query_main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,13 @@ Bad images (missing, truncated, not an image) are named on stderr by the rank
 that met them, left out of their part (their ids are missing from
 ``ids/``) and counted in the part's record and the manifest; more than
 ``max_bad_fraction`` of the catalogue is an error.
+
+A folder that already holds a finished catalogue grows by a version
+(:mod:`.versions`): the ranks fingerprint the source's items (each rank a
+stride of them), and only the new and changed items are embedded, under
+new ids, into ``versions/000v/``; items that left are recorded as removed.
+A checkpoint whose digest differs from the catalogue's is refused: a new
+model means a new catalogue and a new index.
 """
 
 from __future__ import annotations
@@ -34,9 +41,12 @@ from pksampler.files import LockFileError, lock_exclusively
 from pksampler.locations import is_remote
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
-from pksampler.train.catalogue.parts import (JOB_LOCK, PartPlan, check_existing_parts, finished, make_out_folder,
-                                             read_record, write_manifest, write_part)
-from pksampler.train.catalogue.sources import open_source, source_fingerprint, source_kind
+from pksampler.train.catalogue.parts import (JOB_LOCK, MANIFEST, PartPlan, check_existing_parts, finished,
+                                             make_out_folder, read_manifest, read_record, version_folder,
+                                             write_manifest, write_part)
+from pksampler.train.catalogue.sources import (item_fingerprints, item_names, open_source, source_fingerprint,
+                                               source_kind)
+from pksampler.train.catalogue.versions import ITEMS, VersionPlan, plan_version, write_items
 from pksampler.train.errors import ConfigError, SharedConfigError
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.runtime.loader import to_model_input, worker_context
@@ -94,11 +104,12 @@ class _SkipBad(Dataset):
 
 
 def _batches(plan: PartPlan, parts: list[int], batch_size: int) -> list[list[int]]:
-    """Every batch of ``parts`` in order; a batch never crosses a part (so a part's batches are fixed)."""
+    """Every batch of ``parts`` (the source's item numbers) in order; a batch never crosses a part (so a part's
+    batches are fixed)."""
     batches = []
     for part in parts:
-        start, stop = plan.bounds(part)
-        batches += [list(range(s, min(s + batch_size, stop))) for s in range(start, stop, batch_size)]
+        items = plan.items(part).tolist()
+        batches += [items[s:s + batch_size] for s in range(0, len(items), batch_size)]
     return batches
 
 
@@ -129,11 +140,11 @@ def _write(out: Path, model: LoadedModel, plan: PartPlan, part: int, pending: di
     keep = np.concatenate(pending["ok"])
     embeddings = np.concatenate(pending["emb"])[keep]
     check_finite(embeddings, f"part {part} (ids {start}..{stop - 1})")
-    ids = np.arange(start, stop, dtype=np.int64)
+    ids = plan.ids(part)
     write_part(out, part, embeddings, ids[keep], {
-        "first": start, "stop": stop, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
+        "first": int(ids[0]), "stop": int(ids[-1]) + 1, "count": int(keep.sum()), "bad": ids[~keep].tolist(),
         "model_digest": model.digest, "part_size": plan.part_size, "total": plan.total,
-        "source_digest": plan.source,
+        "source_digest": plan.source, "first_id": plan.first_id,
         "dim": int(embeddings.shape[1]), "seconds": round(seconds, 3), "rank": backend.rank,
         "world_size": backend.size})
 
@@ -201,7 +212,7 @@ def _check_ranks_agree(backend: Backend, model: LoadedModel, plan: PartPlan, dat
     """Every rank embeds the same model, catalogue and cut into the same folder, or every rank raises."""
     if backend.size == 1:
         return
-    text = f"{model.digest}|{plan.total}|{plan.part_size}|{plan.source}|{data}|{out.resolve()}"
+    text = f"{model.digest}|{plan.total}|{plan.part_size}|{plan.first_id}|{plan.source}|{data}|{out.resolve()}"
     rows = gather_outcomes(backend, None, np.frombuffer(hashlib.sha256(text.encode()).digest()[:16], np.int64)).values
     if not (rows == rows[0]).all():
         differing = sorted({r for r in range(len(rows)) if not (rows[r] == rows[0]).all()})
@@ -227,9 +238,32 @@ def _hold_out_folder(out: Path, model: LoadedModel, rank: int) -> Any:
     return handle
 
 
+def _existing_manifest(out: Path, model: LoadedModel, data: str) -> dict[str, Any] | None:
+    """The finished catalogue in ``out`` (None if none), refused when another model embedded it or when it is the
+    catalogue of another source (a catalogue grows from the source it was embedded from)."""
+    if not (out / MANIFEST).exists():
+        return None
+    try:
+        manifest = read_manifest(out)
+    except ConfigError as error:
+        raise ConfigError(f"--out: {error}; use another --out (this one holds something else)") from None
+    theirs = manifest["model"]["digest"]
+    if theirs != model.digest:
+        raise ConfigError(f"--checkpoint: {out} holds parts embedded by another model (digest {theirs[:12]}, "
+                          f"this checkpoint's {model.digest[:12]}); a new model means a new catalogue and a new "
+                          "index: use another --out")
+    location = data if is_remote(data) else str(Path(data).resolve())
+    if manifest["source"].get("location") != location:
+        raise ConfigError(f"--out/--data: {out} holds parts embedded from another data source "
+                          f"({manifest['source'].get('location')}, this --data is {location}); a catalogue grows from "
+                          "the source it was embedded from: use that --data, or another --out")
+    return manifest
+
+
 def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend: Backend, *,
                     options: EmbedOptions = EmbedOptions()) -> dict[str, Any] | None:
-    """Embed every image at ``data`` with the model of ``checkpoint`` into parts under ``out``.
+    """Embed every image at ``data`` with the model of ``checkpoint`` into parts under ``out``; when ``out`` holds
+    a finished catalogue, embed only what is new or changed since, as its next version.
 
     Runs on every rank of ``backend`` (one process, horovodrun or torchrun);
     returns the manifest on rank 0 (None elsewhere). Finished parts of an
@@ -241,46 +275,95 @@ def embed_catalogue(checkpoint: str | Path, data: str, out: str | Path, backend:
         model = load_model(checkpoint)
         make_out_folder(out)
         lock = _hold_out_folder(out, model, backend.rank)
+        existing = _existing_manifest(out, model, data)
         dataset = open_source(data, decode_size=model.input_size, outage_seconds=options.outage_seconds)
         dataset.transform = model.worker_transform()
-        plan = PartPlan(len(dataset), options.part_size, source_fingerprint(dataset))
+        listing = PartPlan(len(dataset), options.part_size, source_fingerprint(dataset))
     except ConfigError as error:
         if lock is not None:
             lock.close()
         _agree_on_setup(backend, error)
         raise
     try:
-        return _embed_agreed(model, dataset, plan, data, out, backend, options)
+        return _embed_agreed(model, dataset, listing, existing, data, out, backend, options)
     finally:
         if lock is not None:
             lock.close()
 
 
-def _embed_agreed(model: LoadedModel, dataset: LabelledDataset, plan: PartPlan, data: str, out: Path,
-                  backend: Backend, options: EmbedOptions) -> dict[str, Any] | None:
+def _fingerprints(dataset: LabelledDataset, backend: Backend) -> np.ndarray:
+    """Every item's content fingerprint; rank r reads items r, r + W, ... and the ranks exchange them."""
+    count, world, rank = len(dataset), backend.size, backend.rank
+    mine = item_fingerprints(dataset, np.arange(rank, count, world))
+    if world == 1:
+        return mine
+    row = np.zeros(-(-count // world), dtype=np.int64)
+    row[:len(mine)] = mine
+    rows = backend.allgather_numpy(row)
+    every = np.empty(count, dtype=np.int64)
+    for other in range(world):
+        every[other::world] = rows[other][:len(range(other, count, world))]
+    return every
+
+
+def _plan_version(out: Path, existing: dict[str, Any] | None, dataset: LabelledDataset, listing: PartPlan,
+                  backend: Backend) -> tuple[VersionPlan, tuple[list[str], list[str], np.ndarray]]:
+    """The next version and the source's listing (names, classes, fingerprints); an error is every rank's."""
+    names = item_names(dataset)
+    classes = [dataset.classes[int(label)] for label in np.asarray(dataset.labels).tolist()]
+    table = (names, classes, _fingerprints(dataset, backend))
+    try:
+        return plan_version(out, existing, table, source=listing.source, part_size=listing.part_size), table
+    except ConfigError as error:
+        error.shown_by_rank0 = True  # the same files on every rank: the same error, shown once
+        raise
+
+
+def _embed_agreed(model: LoadedModel, dataset: LabelledDataset, listing: PartPlan, existing: dict[str, Any] | None,
+                  data: str, out: Path, backend: Backend, options: EmbedOptions) -> dict[str, Any] | None:
     """The work, once every rank's set-up succeeded: the ranks agree, embed their unfinished parts, rank 0 ends."""
     _agree_on_setup(backend, None)
     network = backend.setup.prepare_model(model.network)
-    _check_ranks_agree(backend, model, plan, data, out)
-    check_existing_parts(out, plan, model.digest)
-    mine = plan.parts_of(backend.rank, backend.size)
-    todo = [p for p in mine if not finished(out, plan, p, model.digest)]
+    _check_ranks_agree(backend, model, listing, data, out)
+    version, table = _plan_version(out, existing, dataset, listing, backend)
+    if version.empty:
+        if backend.rank == 0:
+            print(f"[pksampler] embed: {data} lists what version {len(existing['versions'])} of {out} holds; "
+                  "nothing to embed", flush=True)
+        return existing if backend.rank == 0 else None
+    plan, folder = version.plan, version_folder(out, version.number)
+    todo: list[int] = []
+    if plan is not None:
+        check_existing_parts(folder, plan, model.digest)
+        mine = plan.parts_of(backend.rank, backend.size)
+        todo = [p for p in mine if not finished(folder, plan, p, model.digest)]
     if backend.rank == 0:
-        print(f"[pksampler] embed: {plan.total} images from {data} in {plan.num_parts} parts of {plan.part_size}, "
-              f"{backend.size} rank(s); rank 0 embeds {len(todo)} part(s), skips {len(mine) - len(todo)} finished",
-              flush=True)
-    images, seconds = _embed_parts(model, network, dataset, plan, todo, out, backend, options) if todo else (0, 0.0)
+        _announce(version, data, out, backend.size, len(todo), len(mine) - len(todo) if plan is not None else 0)
+    images, seconds = _embed_parts(model, network, dataset, plan, todo, folder, backend, options) if todo else (0, 0.)
     totals = backend.allgather_numpy(np.asarray([images, int(seconds * 1000)], dtype=np.int64))
     backend.barrier()
     if backend.rank != 0:
         return None
-    return _finish(out, model, data, plan, options, rate=float(totals[:, 0].sum()) / max(totals[:, 1].max() / 1000,
-                                                                                         1e-9))
+    rate = float(totals[:, 0].sum()) / max(totals[:, 1].max() / 1000, 1e-9)
+    return _finish(out, model, data, version, (table, listing.source), existing, options, rate=rate)
 
 
-def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: EmbedOptions, *,
-            rate: float) -> dict[str, Any]:
-    """Rank 0, after every rank is done: check the records, count, write the manifest."""
+def _announce(version: VersionPlan, data: str, out: Path, world: int, todo: int, skipped: int) -> None:
+    plan = version.plan
+    cut = f"in {plan.num_parts} parts of {plan.part_size}" if plan is not None else "(nothing to embed)"
+    if version.number == 1:
+        head = f"{plan.total} images from {data} {cut}"
+    else:
+        head = (f"version {version.number} of {out}: {version.added} new, {version.changed} changed, "
+                f"{len(version.removed)} removed; {plan.total if plan else 0} images from {data} {cut}")
+    print(f"[pksampler] embed: {head}, {world} rank(s); rank 0 embeds {todo} part(s), skips {skipped} finished",
+          flush=True)
+
+
+def _version_records(out: Path, model: LoadedModel, plan: PartPlan | None) -> list[dict[str, Any]]:
+    """The version's part records, all present and of this model (rank 0, after every rank is done)."""
+    if plan is None:
+        return []
     records = [read_record(out, part) for part in range(plan.num_parts)]
     missing = [p for p, r in enumerate(records) if r is None]
     if missing:
@@ -291,25 +374,70 @@ def _finish(out: Path, model: LoadedModel, data: str, plan: PartPlan, options: E
         raise ConfigError(f"--out: parts {foreign[:10]} of {out} were embedded by another model (digest "
                           f"{str(records[foreign[0]].get('model_digest'))[:12]}, this job's {model.digest[:12]}) "
                           "while this job ran; give each model its own --out")
+    return records
+
+
+def _finish(out: Path, model: LoadedModel, data: str, version: VersionPlan,
+            listing: tuple[tuple[list[str], list[str], np.ndarray], str], existing: dict[str, Any] | None,
+            options: EmbedOptions, *, rate: float) -> dict[str, Any]:
+    """Rank 0, after every rank is done: check the records, write the version's item table, then the manifest."""
+    (table, digest), plan, folder = listing, version.plan, version_folder(out, version.number)
+    records = _version_records(folder, model, plan)
     bad = [i for r in records for i in r["bad"]]
-    if len(bad) > options.max_bad_fraction * plan.total or len(bad) == plan.total:
+    if plan is not None and (len(bad) > options.max_bad_fraction * plan.total or len(bad) == plan.total):
         raise ConfigError(f"--max-bad-fraction: {len(bad)} of {plan.total} images could not be decoded (named "
                           f"above), more than {options.max_bad_fraction:.2%}: fix the data or raise the limit")
-    manifest = {
-        "model": model.describe(),
-        "source": {"location": data if is_remote(data) else str(Path(data).resolve()),
-                   "kind": source_kind(data), "images": plan.total, "digest": plan.source},
-        "plan": {"total": plan.total, "part_size": plan.part_size, "parts": plan.num_parts},
-        "dim": int(records[0]["dim"]) if records else model.embedding_dim,
-        "count": sum(r["count"] for r in records),
-        "bad": len(bad),
-        "bad_ids": bad,
-        "parts": [{"part": r["part"], "count": r["count"], "first": r["first"], "stop": r["stop"]} for r in records],
-        "layout": {"embeddings": "embeddings/part-*.npy: float32 (n, dim), L2-normalised",
-                   "ids": "ids/part-*.npy: int64 (n,), the global id of each row of the same part"},
-    }
+    if plan is not None:
+        members = plan.members if plan.members is not None else np.arange(plan.total)
+        write_items(folder, plan.first_id, [table[0][i] for i in members.tolist()],
+                    [table[1][i] for i in members.tolist()], table[2][members])
+    entry = {"version": version.number, "added": version.added, "changed": version.changed,
+             "removed": version.removed.tolist(), "model_digest": model.digest, "items": ITEMS if plan else None,
+             "count": sum(r["count"] for r in records), "bad": len(bad),
+             "embedded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    source = {"location": data if is_remote(data) else str(Path(data).resolve()), "kind": source_kind(data),
+              "images": len(table[0]), "digest": digest}
+    manifest = _next_manifest(existing if version.number > 1 else None, entry, records, plan, bad, model, source)
     write_manifest(out, manifest)
-    print(f"[pksampler] embed: done, {manifest['count']} embeddings of dim {manifest['dim']} in {plan.num_parts} "
-          f"parts, {len(bad)} bad image(s) skipped; this job embedded at {rate:.0f} img/s; {out / 'manifest.json'}",
-          flush=True)
+    _report(manifest, version, len(bad), out, rate)
     return manifest
+
+
+def _next_manifest(existing: dict[str, Any] | None, entry: dict[str, Any], records: list[dict[str, Any]],
+                   plan: PartPlan | None, bad: list[int], model: LoadedModel, source: dict[str, Any]
+                   ) -> dict[str, Any]:
+    """The manifest with version ``entry`` appended (the first version's plan and parts stay at the top, where
+    every reader before growth finds them); counts are the live vectors and ids."""
+    parts = [{"part": r["part"], "count": r["count"], "first": r["first"], "stop": r["stop"]} for r in records]
+    if existing is None:
+        return {"model": model.describe(), "source": source,
+                "plan": {"total": plan.total, "part_size": plan.part_size, "parts": plan.num_parts},
+                "dim": int(records[0]["dim"]) if records else model.embedding_dim,
+                "count": entry["count"], "embedded": entry["count"], "bad": len(bad), "bad_ids": bad,
+                "next_id": plan.total, "parts": parts, "versions": [entry], "layout": _LAYOUT}
+    removed = set(entry["removed"])
+    was_bad = set(existing["bad_ids"])
+    if plan is not None:
+        entry.update(plan={"first_id": plan.first_id, "total": plan.total, "part_size": plan.part_size,
+                           "parts": plan.num_parts}, parts=parts)
+    bad_ids = sorted(was_bad - removed) + bad
+    return {**existing, "source": source, "model": existing["model"],
+            "count": existing["count"] - len(removed - was_bad) + entry["count"],
+            "embedded": existing["embedded"] + entry["count"], "bad": len(bad_ids), "bad_ids": bad_ids,
+            "next_id": plan.first_id + plan.total if plan is not None else existing["next_id"],
+            "versions": [*existing["versions"], entry]}
+
+
+_LAYOUT = {"embeddings": "embeddings/part-*.npy: float32 (n, dim), L2-normalised",
+           "ids": "ids/part-*.npy: int64 (n,), the global id of each row of the same part",
+           "items": "items.json: each id's name, class and content fingerprint (row j: id first_id + j)",
+           "versions": "versions/000v/: version v's parts and items (v >= 2); a version's removed ids are masked"}
+
+
+def _report(manifest: dict[str, Any], version: VersionPlan, bad: int, out: Path, rate: float) -> None:
+    plan = version.plan
+    parts = plan.num_parts if plan is not None else 0
+    what = "" if version.number == 1 else (f"version {version.number}: {version.added} new, {version.changed} "
+                                           f"changed, {len(version.removed)} removed; ")
+    print(f"[pksampler] embed: done, {what}{manifest['count']} embeddings of dim {manifest['dim']} in {parts} "
+          f"parts, {bad} bad image(s) skipped; this job embedded at {rate:.0f} img/s; {out / MANIFEST}", flush=True)

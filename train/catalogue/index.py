@@ -21,6 +21,11 @@
 4. ``index.faiss`` is streamed through a temporary file and renamed (its
    SHA-256 taken on the way); ``index.json`` (the metadata: kind, settings,
    certificate, the model's digest, the catalogue) follows the same way.
+5. The index grows and shrinks in place (:mod:`.update`): added vectors
+   and removed ids are kept beside the base file (:mod:`.delta`) and merged
+   when it is loaded. An IVF index also writes its centroids and the mean
+   squared distance of a sample of its vectors to them, the yardstick of
+   the drift check.
 """
 
 from __future__ import annotations
@@ -39,12 +44,14 @@ import numpy as np
 from pksampler.datasets._image import read_regular
 from pksampler.files import atomic_write_text, atomic_writer
 
-from pksampler.train.catalogue.parts import (PartVectors, check_parts, file_sha256, iter_parts, make_out_folder,
-                                             read_manifest, writing)
+from pksampler.train.catalogue.delta import (CENTROIDS, apply_delta, mean_sq_distance, read_delta, remove_stale,
+                                             write_array)
+from pksampler.train.catalogue.parts import (PartVectors, catalogue_versions, check_parts, file_sha256, iter_parts,
+                                             make_out_folder, read_manifest, writing)
 from pksampler.train.errors import ConfigError
 
-__all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "Searcher", "build_index", "load_index",
-           "search"]
+__all__ = ["INDEX_FILE", "INDEX_KINDS", "METADATA_FILE", "IndexOptions", "Searcher", "build_index",
+           "history_digest", "load_base", "load_index", "read_metadata", "search", "write_index", "write_metadata"]
 
 INDEX_FILE, METADATA_FILE = "index.faiss", "index.json"
 INDEX_KINDS = ("auto", "flat", "ivfflat", "ivfpq")
@@ -52,6 +59,8 @@ INDEX_KINDS = ("auto", "flat", "ivfflat", "ivfpq")
 MIN_SEARCH_K = 10
 #: codes per PQ sub-quantizer (8 bits): its k-means needs at least this many training vectors
 PQ_CENTROIDS = 256
+#: catalogue vectors sampled for the drift check's yardstick
+DRIFT_SAMPLE = 10_000
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,13 @@ class IndexOptions:
     target: float = 0.99
     seed: int = 0
     threads: int | None = None
+    #: update: the new vectors' mean squared distance to their centroids may reach this multiple of the indexed
+    #: ones' before the check says to retrain the coarse quantizer
+    drift_limit: float = 1.2
+    #: update: the delta (added + removed) may reach this share of the base index before it is merged into it
+    compact_fraction: float = 0.1
+    #: always build afresh (retrains an IVF index's centroids), even where an update would do
+    rebuild: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in INDEX_KINDS:
@@ -81,6 +97,11 @@ class IndexOptions:
             raise ConfigError(f"--nlist: must be a positive int, got {self.nlist!r}")
         if not 0.0 < self.target <= 1.0:
             raise ConfigError(f"--target: must lie in (0, 1], got {self.target!r}")
+        if not 1.0 <= self.drift_limit:
+            raise ConfigError(f"--drift-limit: must be at least 1 (a ratio of mean distances), got "
+                              f"{self.drift_limit!r}")
+        if not 0.0 <= self.compact_fraction <= 1.0:
+            raise ConfigError(f"--compact-fraction: must lie in [0, 1], got {self.compact_fraction!r}")
 
 
 def _kind(options: IndexOptions, count: int) -> str:
@@ -136,10 +157,9 @@ def _fill(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, An
     count = manifest["count"]
     if kind != "flat":
         ivf = faiss.extract_index_ivf(index)
-        # PQ's codebooks (256 centroids per sub-vector) want about 40 vectors per centroid as well
-        size = min(count, max(ivf.nlist * options.train_per_list, 10_000 if kind == "ivfpq" else 0))
-        rng = np.random.default_rng([options.seed, 1])
-        sample, _ = _rows(catalogue, manifest, np.sort(rng.choice(count, size=size, replace=False)))
+        positions = _training_positions(kind, ivf.nlist, count, options)
+        size = len(positions)
+        sample, _ = _rows(catalogue, manifest, positions)
         if size < ivf.nlist:
             raise ConfigError(f"--nlist: {ivf.nlist} lists need at least as many vectors to train, the catalogue "
                               f"holds {count}")
@@ -149,6 +169,13 @@ def _fill(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, An
         return
     for _, embeddings, ids in iter_parts(catalogue, manifest):
         index.add_with_ids(np.ascontiguousarray(embeddings, dtype=np.float32), np.ascontiguousarray(ids))
+
+
+def _training_positions(kind: str, nlist: int, count: int, options: IndexOptions) -> np.ndarray:
+    """Sorted rows of the quantiser's seeded training sample."""
+    # PQ's codebooks (256 centroids per sub-vector) want about 40 vectors per centroid as well
+    size = min(count, max(nlist * options.train_per_list, 10_000 if kind == "ivfpq" else 0))
+    return np.sort(np.random.default_rng([options.seed, 1]).choice(count, size=size, replace=False))
 
 
 def _add_preallocated(ivf: faiss.IndexIVFFlat, catalogue: Path, manifest: dict[str, Any]) -> None:
@@ -284,7 +311,7 @@ def _certify(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str,
                         "neighbour is among the first k results; equal similarity counts as a hit"}
 
 
-def _write_index(index: faiss.Index, path: Path) -> tuple[int, str]:
+def write_index(index: faiss.Index, path: Path) -> tuple[int, str]:
     """Stream the index into ``path`` atomically; returns its size and SHA-256.
 
     faiss turns an exception of the writer callback into its own RuntimeError:
@@ -316,13 +343,44 @@ def _check_same_model(out: Path, manifest: dict[str, Any]) -> None:
     """An ``out`` that holds the index of another model is refused: a new model means a new index (its vectors
     live in another space), so the old one is never replaced by accident. An unreadable index.json is rebuilt."""
     try:
-        held = _read_metadata(out)
+        held = read_metadata(out)
     except ConfigError:
         return
     theirs, ours = held["model"]["digest"], str(manifest["model"]["digest"])
     if theirs != ours:
         raise ConfigError(f"--out: {out} holds the index of another model (digest {theirs[:12]}, this catalogue's "
                           f"{ours[:12]}); a new model means a new index: use another --out, or delete it first")
+
+
+def history_digest(manifest: dict[str, Any], upto: int) -> str:
+    """A digest of the catalogue's first ``upto`` versions: an index updates only the catalogue it was built from
+    (one embedded afresh into the same folder starts another history)."""
+    versions = manifest.get("versions") or [{"version": 1, "count": manifest["count"]}]
+    return hashlib.sha256(json.dumps(versions[:upto], sort_keys=True).encode()).hexdigest()
+
+
+def _drift_base(index: faiss.Index, kind: str, catalogue: Path, manifest: dict[str, Any], out: Path,
+                options: IndexOptions) -> dict[str, Any] | None:
+    """An IVF index's centroids (written beside it) and the mean squared distance to them of a seeded sample of
+    the catalogue's vectors that did not train them (those lie closer): what the drift check compares new vectors
+    with."""
+    if kind == "flat":
+        return None
+    ivf = faiss.extract_index_ivf(index)
+    centroids = ivf.quantizer.reconstruct_n(0, ivf.nlist)
+    count = int(manifest["count"])
+    unseen = np.setdiff1d(np.arange(count), _training_positions(kind, ivf.nlist, count, options))
+    pool = unseen if len(unseen) else np.arange(count)
+    rng = np.random.default_rng([options.seed, 3])
+    sample, _ = _rows(catalogue, manifest, np.sort(rng.choice(pool, size=min(len(pool), DRIFT_SAMPLE),
+                                                              replace=False)))
+    return {"centroids": write_array(out, CENTROIDS, centroids), "sample": len(sample),
+            "base_mean_sq_distance": mean_sq_distance(centroids, sample)}
+
+
+def write_metadata(out: Path, metadata: dict[str, Any]) -> None:
+    with writing(out / METADATA_FILE):
+        atomic_write_text(out / METADATA_FILE, json.dumps(metadata, indent=1))
 
 
 def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions = IndexOptions()) -> dict[str, Any]:
@@ -346,8 +404,10 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
     certificate = _certify(index, kind, catalogue, manifest, options)
     if certificate.get("nprobe") is not None:
         faiss.extract_index_ivf(index).nprobe = certificate["nprobe"]
-    size, digest = _write_index(index, out / INDEX_FILE)
+    drift = _drift_base(index, kind, catalogue, manifest, out, options)
+    size, digest = write_index(index, out / INDEX_FILE)
     ivf = faiss.extract_index_ivf(index) if kind != "flat" else None
+    version = catalogue_versions(manifest)[-1].number
     metadata = {
         "format": "pksampler-catalogue-index", "version": 1, "kind": kind, "metric": "inner_product",
         "count": count, "dim": dim, "nlist": ivf.nlist if ivf is not None else None,
@@ -355,9 +415,13 @@ def build_index(catalogue: str | Path, out: str | Path, *, options: IndexOptions
         "certificate": certificate, "build_seconds": round(build_seconds, 3),
         "index_file": INDEX_FILE, "index_bytes": size, "index_sha256": digest,
         "catalogue": str(catalogue.resolve()), "model": manifest["model"], "source": manifest["source"],
+        "catalogue_version": version, "history_digest": history_digest(manifest, version), "base_count": count,
+        "delta": None, "drift": drift,
+        "history": [{"version": version, "how": "built", "count": count,
+                     "seconds": round(time.perf_counter() - started, 3)}],
     }
-    with writing(out / METADATA_FILE):
-        atomic_write_text(out / METADATA_FILE, json.dumps(metadata, indent=1))
+    write_metadata(out, metadata)
+    remove_stale(out, metadata)
     return metadata
 
 
@@ -391,7 +455,8 @@ def _check_metadata(path: Path, metadata: dict[str, Any]) -> None:
                                       f"{metadata.get('catalogue')!r}, {source!r}")
 
 
-def _read_metadata(folder: Path) -> dict[str, Any]:
+def read_metadata(folder: Path) -> dict[str, Any]:
+    """The checked ``index.json`` of ``folder``, or one ConfigError naming it."""
     path = folder / METADATA_FILE
     try:
         metadata = json.loads(read_regular(path).decode("utf-8"))
@@ -411,9 +476,18 @@ def _read_metadata(folder: Path) -> dict[str, Any]:
 
 
 def load_index(folder: str | Path) -> Searcher:
-    """The index of ``folder``, checked against its metadata (size and SHA-256), set to its nprobe, ready to search."""
+    """The index of ``folder``, checked against its metadata (size and SHA-256), its delta merged (vectors added
+    and ids removed since the base file was written), set to its nprobe, ready to search."""
     folder = Path(folder)
-    metadata = _read_metadata(folder)
+    metadata = read_metadata(folder)
+    index = load_base(folder, metadata)
+    apply_delta(index, *read_delta(folder, metadata))
+    rerank = _rerank_vectors(folder, metadata) if metadata["kind"] == "ivfpq" else None
+    return Searcher(index, metadata, rerank)
+
+
+def load_base(folder: Path, metadata: dict[str, Any]) -> faiss.Index:
+    """The base index file alone, checked against ``metadata`` (size, then SHA-256), set to its nprobe."""
     path = folder / metadata.get("index_file", INDEX_FILE)
     if not path.is_file() or path.stat().st_size != metadata.get("index_bytes"):
         raise ConfigError(f"--index: {path} is missing or not the file {folder / METADATA_FILE} describes "
@@ -430,8 +504,7 @@ def load_index(folder: str | Path) -> Searcher:
         raise ConfigError(f"--index: {path} is not a readable faiss index ({reason}); build the index again") from None
     if metadata.get("nprobe") is not None:
         faiss.extract_index_ivf(index).nprobe = metadata["nprobe"]
-    rerank = _rerank_vectors(folder, metadata) if metadata["kind"] == "ivfpq" else None
-    return Searcher(index, metadata, rerank)
+    return index
 
 
 def _rerank_vectors(folder: Path, metadata: dict[str, Any]) -> PartVectors:

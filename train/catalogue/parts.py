@@ -24,6 +24,12 @@
    manifest's model, its two arrays the bytes its record's SHA-256 names
    (a part swapped, linked or copied from another part or model is refused,
    and a restart embeds it again).
+6. A catalogue grows in versions (:mod:`.versions`): version 1's parts lie
+   at the top of the folder (as every catalogue before growth), version
+   ``v >= 2``'s in ``versions/000v/``, each cut from its own first id
+   (new ids come from a counter, never reused). Ids a later version removed
+   are masked whenever parts are read (:func:`iter_parts`,
+   :class:`PartVectors`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import hashlib
 import io
 import json
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -43,8 +49,9 @@ from pksampler.files import atomic_write_bytes, atomic_write_text
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["JOB_LOCK", "MANIFEST", "PartPlan", "PartVectors", "check_existing_parts", "check_parts", "file_sha256",
-           "finished", "iter_parts", "make_out_folder", "part_name", "read_manifest", "read_part", "write_manifest", "write_part",
+__all__ = ["JOB_LOCK", "MANIFEST", "CatalogueVersion", "PartPlan", "PartVectors", "catalogue_versions",
+           "check_existing_parts", "check_parts", "file_sha256", "finished", "iter_parts", "make_out_folder",
+           "part_name", "read_manifest", "read_part", "removed_ids", "version_folder", "write_manifest", "write_part",
            "writing"]
 
 MANIFEST = "manifest.json"
@@ -60,14 +67,26 @@ def part_name(part: int) -> str:
     return f"part-{part:05d}"
 
 
+def version_folder(out: str | Path, version: int) -> Path:
+    """Where version ``version``'s parts lie: the catalogue's own folder for version 1, ``versions/000v`` after."""
+    return Path(out) if version == 1 else Path(out) / "versions" / f"{version:04d}"
+
+
 @dataclass(frozen=True)
 class PartPlan:
-    """``total`` ids cut into parts of ``part_size``; which parts a rank embeds."""
+    """``total`` ids from ``first_id`` on, cut into parts of ``part_size``; which parts a rank embeds.
+
+    Position ``j`` of the plan is id ``first_id + j`` and the source's item
+    ``members[j]`` (``j`` itself when ``members`` is None: version 1 embeds
+    the whole listing, ids are positions in it).
+    """
 
     total: int
     part_size: int
     #: the data source's fingerprint (:func:`~pksampler.train.catalogue.sources.source_fingerprint`)
     source: str = ""
+    first_id: int = 0
+    members: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.part_size, bool) or not isinstance(self.part_size, int) or self.part_size < 1:
@@ -85,6 +104,16 @@ class PartPlan:
 
     def parts_of(self, rank: int, world_size: int) -> list[int]:
         return list(range(rank, self.num_parts, world_size))
+
+    def ids(self, part: int) -> np.ndarray:
+        """The ids of ``part``'s rows, in order."""
+        start, stop = self.bounds(part)
+        return np.arange(self.first_id + start, self.first_id + stop, dtype=np.int64)
+
+    def items(self, part: int) -> np.ndarray:
+        """The source's item numbers of ``part``'s rows, in order."""
+        start, stop = self.bounds(part)
+        return np.arange(start, stop, dtype=np.int64) if self.members is None else self.members[start:stop]
 
 
 def _paths(out: Path, part: int) -> tuple[Path, Path, Path]:
@@ -146,7 +175,8 @@ def finished(out: Path, plan: PartPlan, part: int, digest: str) -> bool:
     """Whether ``part`` is on disk, complete, for this plan and model (a restart skips it)."""
     record = read_record(out, part)
     if record is None or record.get("model_digest") != digest or record.get("part_size") != plan.part_size \
-            or record.get("total") != plan.total or record.get("source_digest") != plan.source:
+            or record.get("total") != plan.total or record.get("source_digest") != plan.source \
+            or record.get("first_id", 0) != plan.first_id:
         return False
     try:
         embeddings, ids = read_part(out, part)
@@ -273,9 +303,89 @@ def _check_manifest(path: Path, manifest: dict[str, Any]) -> None:
         raise bad("parts", f"must list each of the plan's {expected} parts ({plan['total']} ids in parts of "
                            f"{plan['part_size']}) once, in order: part {wrong} is "
                            + ("missing" if wrong < expected else f"past them ({len(parts)} listed)"))
+    if "versions" in manifest:
+        _check_versions(manifest, bad)
+        return
     if not _is_count(manifest["count"]) or manifest["count"] != sum(e["count"] for e in parts):
         raise bad("count", f"{manifest['count']!r} must be the sum of the parts' counts "
                            f"({sum(e['count'] for e in parts)})")
+
+
+def _check_versions(manifest: dict[str, Any], bad: Any) -> None:
+    """A grown catalogue's version list: numbered 1, 2, ... with plans, parts and removed ids of the right types;
+    ``count`` (the live vectors) no more than ``embedded`` (every part's count)."""
+    versions = manifest["versions"]
+    if not isinstance(versions, list) or not versions:
+        raise bad("versions", f"must be a non-empty list, got {versions!r}")
+    for number, entry in enumerate(versions, start=1):
+        if not isinstance(entry, dict) or entry.get("version") != number:
+            raise bad(f"versions[{number - 1}]", f"must be an object with 'version' {number}")
+        removed = entry.get("removed", [])
+        if not isinstance(removed, list) or not all(_is_count(i) for i in removed):
+            raise bad(f"versions[{number - 1}].removed", "must be a list of ids")
+        if number > 1 and entry.get("plan") is not None:
+            plan, parts = entry["plan"], entry.get("parts")
+            if not isinstance(plan, dict) or not all(_is_count(plan.get(k), positive=k != "first_id")
+                                                     for k in ("part_size", "total", "first_id")):
+                raise bad(f"versions[{number - 1}].plan", f"must hold int part_size, total, first_id, got {plan!r}")
+            if not isinstance(parts, list) or not all(isinstance(e, dict) and _is_count(e.get("part"))
+                                                      and _is_count(e.get("count")) for e in parts):
+                raise bad(f"versions[{number - 1}].parts", "must be a list of {'part', 'count'} objects")
+    embedded = sum(e["count"] for v in catalogue_versions(manifest) for e in v.parts)
+    if manifest.get("embedded") != embedded or not _is_count(manifest["count"]) or manifest["count"] > embedded:
+        raise bad("count/embedded", f"{manifest['count']!r}/{manifest.get('embedded')!r} must be the live vectors "
+                                    f"and the sum of every version's part counts ({embedded})")
+
+
+@dataclass(frozen=True)
+class CatalogueVersion:
+    """One version's parts: where they lie, the ids they cover, and the ids this version removed."""
+
+    number: int
+    folder: str
+    first_id: int
+    total: int
+    part_size: int
+    parts: tuple[dict[str, Any], ...]
+    removed: tuple[int, ...] = ()
+    #: the version's item table (names, classes, content fingerprints), None for a catalogue embedded before growth
+    items: str | None = None
+
+    def path(self, catalogue: str | Path) -> Path:
+        return Path(catalogue) / self.folder
+
+    def range_of(self, part: int) -> tuple[int, int]:
+        """The ids ``[low, high)`` that ``part`` of this version may hold."""
+        low = self.first_id + part * self.part_size
+        return low, min(low + self.part_size, self.first_id + self.total)
+
+
+def catalogue_versions(manifest: dict[str, Any]) -> list[CatalogueVersion]:
+    """Every version of the catalogue, oldest first; a manifest written before growth is one version."""
+    plan = manifest["plan"]
+    entries = manifest.get("versions") or [{"version": 1}]
+    found = [CatalogueVersion(1, ".", 0, plan["total"], plan["part_size"], tuple(manifest["parts"]),
+                              tuple(entries[0].get("removed", ())), entries[0].get("items"))]
+    for entry in entries[1:]:
+        own = entry.get("plan") or {"first_id": 0, "total": 0, "part_size": 1}
+        found.append(CatalogueVersion(entry["version"], str(version_folder(".", entry["version"])), own["first_id"],
+                                      own["total"], own["part_size"], tuple(entry.get("parts", ())),
+                                      tuple(entry.get("removed", ())), entry.get("items")))
+    return found
+
+
+def removed_ids(manifest: dict[str, Any]) -> np.ndarray:
+    """Sorted ids that some version removed (items that left the source, or whose image changed)."""
+    removed = [np.asarray(v.removed, dtype=np.int64) for v in catalogue_versions(manifest)]
+    return np.unique(np.concatenate(removed)) if removed else np.zeros(0, dtype=np.int64)
+
+
+def _kept(ids: np.ndarray, removed: np.ndarray) -> np.ndarray | None:
+    """The rows of ``ids`` not removed, or None when every row stays (no copy needed)."""
+    if not removed.size:
+        return None
+    keep = ~np.isin(np.asarray(ids), removed)
+    return None if keep.all() else keep
 
 
 def _checked_part(out: Path, entry: dict[str, Any], dim: int, *, mmap: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -297,92 +407,124 @@ def _checked_part(out: Path, entry: dict[str, Any], dim: int, *, mmap: bool) -> 
     return embeddings, ids
 
 
-def _check_values(out: Path, entry: dict[str, Any], plan: dict[str, Any], embeddings: np.ndarray,
+def _check_values(out: Path, entry: dict[str, Any], version: CatalogueVersion, embeddings: np.ndarray,
                   ids: np.ndarray) -> None:
-    """Finite vectors; ids rising strictly inside the part's range ``[part * part_size, ...)``."""
+    """Finite vectors; ids rising strictly inside the part's range ``[first_id + part * part_size, ...)``."""
     emb_path, ids_path, _ = _paths(out, entry["part"])
     for start in range(0, len(embeddings), _FINITE_BLOCK):
         block = np.asarray(embeddings[start:start + _FINITE_BLOCK])
         if not np.isfinite(block).all():
             row = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
             raise ConfigError(f"{emb_path}: holds NaN or infinite values (row {row}); embed the catalogue again")
-    low = entry["part"] * plan["part_size"]
-    high = min(low + plan["part_size"], plan["total"])
+    low, high = version.range_of(entry["part"])
     values = np.asarray(ids)
     wrong = (values < low) | (values >= high)
     wrong[1:] |= values[1:] <= values[:-1]
     if wrong.any():
         row = int(np.flatnonzero(wrong)[0])
         raise ConfigError(f"{ids_path}: ids must rise strictly within [{low}, {high}) (part {entry['part']} in parts "
-                          f"of {plan['part_size']}), got {int(values[row])} at row {row}; embed the catalogue again")
+                          f"of {version.part_size}), got {int(values[row])} at row {row}; embed the catalogue again")
 
 
-def check_parts(out: str | Path, manifest: dict[str, Any]) -> None:
+def check_parts(out: str | Path, manifest: dict[str, Any], *, versions: set[int] | None = None) -> None:
     """Every part the manifest lists, checked before anything is built from them (see the module doc, step 5).
 
     Shapes first, from the ``.npy`` headers alone, so a manifest that claims
     more vectors than its parts hold is refused before any work; then each
-    part's record (the manifest's model), values and ids, one part at a time.
+    part's record (the manifest's model), values and ids, one part at a time,
+    version by version; last, the live rows (removed ids masked) against the
+    manifest's ``count``. With ``versions``, only those versions' parts are
+    checked (an index update reads no other), and not the count.
     """
     out, digest, dim = Path(out), manifest["model"]["digest"], int(manifest["dim"])
-    filled = [entry for entry in manifest["parts"] if entry["count"]]
-    for entry in filled:
-        _checked_part(out, entry, dim, mmap=True)  # the headers: nothing of the data is read
-    for entry in filled:
-        record_path = _paths(out, entry["part"])[2]
-        record = read_record(out, entry["part"])
-        if record is None:
-            raise ConfigError(f"{record_path}: missing or not a part record; embed the catalogue again")
-        if record.get("model_digest") != digest:
-            raise ConfigError(f"{record_path}: embedded by another model (digest "
-                              f"{str(record.get('model_digest'))[:12]}, the manifest's {digest[:12]}); embed the "
-                              "catalogue again into a folder of its own")
-        _check_values(out, entry, manifest["plan"], *_checked_part(out, entry, dim, mmap=True))
-        if not isinstance(record.get("sha256"), dict):
-            raise ConfigError(f"{record_path}: records no SHA-256 of the part's arrays (written by an older version, "
-                              "or edited), so its bytes cannot be checked; embed the catalogue again (train/"
-                              "embed_catalogue.py does the parts whose records lack it)")
-        changed = _changed_array(out, entry["part"], record)
-        if changed is not None:
-            raise ConfigError(f"{changed}: its bytes are not the ones {record_path.name} records (SHA-256): "
-                              "replaced, linked to another part or damaged since it was embedded; embed the "
-                              "catalogue again (finished parts whose bytes hold are kept)")
+    chosen = [v for v in catalogue_versions(manifest) if versions is None or v.number in versions]
+    for version in chosen:
+        for entry in (e for e in version.parts if e["count"]):
+            _checked_part(version.path(out), entry, dim, mmap=True)  # the headers: nothing of the data is read
+    removed, live = removed_ids(manifest), 0
+    for version in chosen:
+        folder = version.path(out)
+        for entry in (e for e in version.parts if e["count"]):
+            record_path = _paths(folder, entry["part"])[2]
+            record = read_record(folder, entry["part"])
+            if record is None:
+                raise ConfigError(f"{record_path}: missing or not a part record; embed the catalogue again")
+            if record.get("model_digest") != digest:
+                raise ConfigError(f"{record_path}: embedded by another model (digest "
+                                  f"{str(record.get('model_digest'))[:12]}, the manifest's {digest[:12]}); embed the "
+                                  "catalogue again into a folder of its own")
+            embeddings, ids = _checked_part(folder, entry, dim, mmap=True)
+            _check_values(folder, entry, version, embeddings, ids)
+            _check_bytes(folder, entry["part"], record, record_path)
+            live += len(ids) - int(np.isin(np.asarray(ids), removed).sum())
+    if versions is None and live != manifest["count"]:
+        raise ConfigError(f"{out / MANIFEST}: count {manifest['count']} is not the {live} vectors its parts hold "
+                          "once removed ids are left out; embed the catalogue again")
 
 
-def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True
+def _check_bytes(folder: Path, part: int, record: dict[str, Any], record_path: Path) -> None:
+    """Refuse a part whose arrays are not the bytes its record's SHA-256 names (replaced, linked to another part,
+    damaged) or whose record names none (an older embed, or edited)."""
+    if not isinstance(record.get("sha256"), dict):
+        raise ConfigError(f"{record_path}: records no SHA-256 of the part's arrays (written by an older version, "
+                          "or edited), so its bytes cannot be checked; embed the catalogue again (train/"
+                          "embed_catalogue.py does the parts whose records lack it)")
+    changed = _changed_array(folder, part, record)
+    if changed is not None:
+        raise ConfigError(f"{changed}: its bytes are not the ones {record_path.name} records (SHA-256): "
+                          "replaced, linked to another part or damaged since it was embedded; embed the "
+                          "catalogue again (finished parts whose bytes hold are kept)")
+
+
+def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True, versions: set[int] | None = None
                ) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """``(part, embeddings, ids)`` for every non-empty part in order, one at a time, each checked against the
-    manifest (dtype, shape, count)."""
-    for entry in manifest["parts"]:
-        if entry["count"]:
-            embeddings, ids = _checked_part(Path(out), entry, int(manifest["dim"]), mmap=mmap)
-            yield entry["part"], embeddings, ids
+    """``(part, embeddings, ids)`` for every non-empty part of every version (or of ``versions``) in order, one at
+    a time, each checked against the manifest (dtype, shape, count); rows of removed ids are left out (a copy of
+    that part only)."""
+    removed = removed_ids(manifest)
+    for version in catalogue_versions(manifest):
+        if versions is not None and version.number not in versions:
+            continue
+        for entry in version.parts:
+            if entry["count"]:
+                embeddings, ids = _checked_part(version.path(out), entry, int(manifest["dim"]), mmap=mmap)
+                keep = _kept(ids, removed)
+                if keep is None:
+                    yield entry["part"], embeddings, ids
+                elif keep.any():
+                    yield entry["part"], np.asarray(embeddings)[keep], np.asarray(ids)[keep]
 
 
 class PartVectors:
     """Catalogue vectors by global id, read from the memory-mapped parts (the exact re-rank of an IVF-PQ index).
 
-    Part ``id // part_size`` holds an id; its row is found by a binary search
-    of the part's ids (ascending; bad images' ids are missing). Only the pages
-    of the rows asked for are read.
+    The version holding an id is the last whose first id is not above it;
+    its part is ``(id - first_id) // part_size``, and the row is found by a
+    binary search of the part's ids (ascending; bad images' ids are missing).
+    Only the pages of the rows asked for are read.
     """
 
     def __init__(self, catalogue: str | Path) -> None:
         self.catalogue = Path(catalogue)
         self.manifest = manifest = read_manifest(self.catalogue)
-        self.part_size, self.dim = int(manifest["plan"]["part_size"]), int(manifest["dim"])
-        self._open: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.dim = int(manifest["dim"])
+        self.versions = [v for v in catalogue_versions(manifest) if v.total]
+        self._firsts = np.asarray([v.first_id for v in self.versions], dtype=np.int64)
+        self._open: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
         """``(len(ids), dim)`` float32; rows of ids < 0 (no result) are zeros."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         out = np.zeros((ids.size, self.dim), dtype=np.float32)
         valid = ids >= 0
-        parts = ids // self.part_size
-        for part in np.unique(parts[valid]).tolist():
-            if part not in self._open:
-                self._open[part] = read_part(self.catalogue, part)
-            embeddings, part_ids = self._open[part]
-            chosen = valid & (parts == part)
+        which = np.maximum(np.searchsorted(self._firsts, ids, side="right") - 1, 0)
+        sizes = np.asarray([v.part_size for v in self.versions], dtype=np.int64)
+        parts = (ids - self._firsts[which]) // sizes[which]
+        for key in sorted(set(zip(which[valid].tolist(), parts[valid].tolist()))):
+            if key not in self._open:
+                version = self.versions[key[0]]
+                self._open[key] = read_part(version.path(self.catalogue), key[1])
+            embeddings, part_ids = self._open[key]
+            chosen = valid & (which == key[0]) & (parts == key[1])
             out[chosen] = embeddings[np.searchsorted(part_ids, ids[chosen])]
         return out

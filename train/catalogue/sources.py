@@ -16,14 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
-from pksampler.datasets import ImageFolderDataset, ListFileDataset, ShardedDataset
+from pksampler.datasets import ImageFolderDataset, ImageLoadError, ListFileDataset, ShardedDataset
 from pksampler.datasets.base import LabelledDataset
 from pksampler.datasets.objectstore import OutageError
 from pksampler.locations import is_remote
 
 from pksampler.train.errors import ConfigError
 
-__all__ = ["SOURCE_KINDS", "open_source", "source_fingerprint", "source_kind"]
+__all__ = ["SOURCE_KINDS", "item_fingerprints", "item_names", "open_source", "source_fingerprint", "source_kind"]
 
 #: the kinds of catalogue location, as :func:`source_kind` names them
 SOURCE_KINDS = ("folder", "list", "shards")
@@ -64,6 +64,62 @@ def open_source(location: str, *, decode_size: int | None = None, outage_seconds
                           f"--outage-seconds {outage_seconds:g}") from None
     except (OSError, ValueError) as error:
         raise ConfigError(f"--data: {location!r} ({kind}): {error}") from None
+
+
+def item_names(dataset: LabelledDataset) -> list[str]:
+    """Each item's name, its identity from one version of the catalogue to the next: the file's path relative to
+    the source's root (folders, list files), else the dataset's own description (a shard member)."""
+    paths, root = getattr(dataset, "paths", None), getattr(dataset, "root", None)
+    if paths is not None and root is not None:
+        return [os.path.relpath(p, root) for p in paths]
+    if paths is not None:
+        return [str(p) for p in paths]
+    return [dataset.describe(i) for i in range(len(dataset))]
+
+
+def _item_bytes(dataset: LabelledDataset, index: int) -> bytes:
+    reader = getattr(dataset, "read_bytes", None)
+    if reader is not None:
+        return reader(index)
+    with open(dataset.paths[index], "rb") as stream:
+        return stream.read()
+
+
+def _shard_fingerprints(dataset: LabelledDataset, indices: np.ndarray) -> np.ndarray | None:
+    """Packed shards whose manifest records each shard's SHA-256: a member's fingerprint is that of (its shard's
+    digest, offset, size), content-addressed without reading a byte (an object store needs no GET per item)."""
+    manifest, index = getattr(dataset, "manifest", None), getattr(dataset, "index", None)
+    if not isinstance(manifest, dict) or index is None:
+        return None
+    digests = [shard.get("sha256") for shard in manifest.get("shards", ())]
+    if not digests or None in digests:
+        return None
+    records = index[np.asarray(indices, dtype=np.int64)]
+    keys = (f"{digests[int(s)]}:{int(o)}:{int(n)}".encode() for s, o, n in
+            zip(records["shard"], records["offset"], records["size"]))
+    return np.fromiter((int.from_bytes(hashlib.sha256(k).digest()[:8], "little", signed=True) for k in keys),
+                       dtype=np.int64, count=len(records))
+
+
+def item_fingerprints(dataset: LabelledDataset, indices: np.ndarray) -> np.ndarray:
+    """int64 content fingerprints (the first 8 bytes of SHA-256 of each item's stored bytes) of ``indices``.
+
+    An item whose image changed gets another fingerprint, so the next
+    version embeds it again; one that cannot be read gets 0 (the embedder
+    then names it as a bad image). Packed shards with recorded digests are
+    not read at all (:func:`_shard_fingerprints`).
+    """
+    shards = _shard_fingerprints(dataset, indices)
+    if shards is not None:
+        return shards
+    out = np.zeros(len(indices), dtype=np.int64)
+    for row, index in enumerate(np.asarray(indices, dtype=np.int64).tolist()):
+        try:
+            data = _item_bytes(dataset, index)
+        except (OSError, ValueError, ImageLoadError):
+            continue
+        out[row] = np.frombuffer(hashlib.sha256(data).digest()[:8], dtype=np.int64)[0]
+    return out
 
 
 def source_fingerprint(dataset: LabelledDataset) -> str:

@@ -34,8 +34,8 @@ def test_folder_list_file_shards_and_an_object_store_give_one_catalogue(tmp_path
                "shards": str(shards), "s3": remote}
     results = {}
     for name, where in sources.items():
-        embed_catalogue(checkpoint, where, tmp_path / name, Backend(), options=options)
-        results[name] = _catalogue(tmp_path / name)
+        embed_catalogue(checkpoint, where, tmp_path / f"catalogue-{name}", Backend(), options=options)
+        results[name] = _catalogue(tmp_path / f"catalogue-{name}")
     manifest, embeddings, ids = results["folder"]
     assert manifest["count"] == 20 and np.array_equal(ids, np.arange(20))
     for name, (other, other_embeddings, other_ids) in results.items():
@@ -69,9 +69,10 @@ def test_embedding_another_source_into_a_finished_folder_is_refused(tmp_path, mo
         embed_catalogue(checkpoint, str(second), tmp_path / "cat", Backend(), options=options)
     assert (tmp_path / "cat" / "embeddings" / "part-00000.npy").read_bytes() == before
     assert read_manifest(tmp_path / "cat")["source"] == manifest["source"]  # still names the source of its vectors
-    # the same source again, spelt relative to another working folder: its finished parts are reused
+    # the same source again, spelt relative to another working folder: the catalogue already holds it
     monkeypatch.chdir(tmp_path)
     capsys.readouterr()
     assert embed_catalogue(checkpoint, "a", tmp_path / "cat", Backend(), options=options)["source"] == \
         manifest["source"]
-    assert "rank 0 embeds 0 part(s), skips 2 finished" in capsys.readouterr().out
+    assert "nothing to embed" in capsys.readouterr().out
+    assert (tmp_path / "cat" / "embeddings" / "part-00000.npy").read_bytes() == before
