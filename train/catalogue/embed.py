@@ -41,7 +41,7 @@ from pksampler.files import LockFileError, lock_exclusively
 from pksampler.locations import is_remote
 
 from pksampler.train.catalogue.model import LoadedModel, check_finite, load_model
-from pksampler.train.catalogue.parts import (JOB_LOCK, MANIFEST, PartPlan, check_existing_parts, finished,
+from pksampler.train.catalogue.parts import (JOB_LOCK, MANIFEST, PartPlan, check_existing_parts, check_parts, finished,
                                              make_out_folder, read_manifest, read_record, version_folder,
                                              write_manifest, write_part)
 from pksampler.train.catalogue.sources import (item_fingerprints, item_names, open_source, source_fingerprint,
@@ -314,9 +314,19 @@ def _plan_version(out: Path, existing: dict[str, Any] | None, dataset: LabelledD
     table = (names, classes, _fingerprints(dataset, backend))
     try:
         return plan_version(out, existing, table, source=listing.source, part_size=listing.part_size), table
+    except ConfigError as error:  # the same files on every rank: the same error, shown once
+        raise SharedConfigError(str(error)) from None
+
+
+def _check_finished_versions(out: Path, existing: dict[str, Any]) -> None:
+    """A rerun with nothing new checks what the catalogue holds (shapes, values, each part's SHA-256): a part
+    damaged or replaced since it was embedded is refused on every rank in one line. A finished version is not
+    re-embedded in place (its ids name the items of its day), so the way on is a new ``--out``."""
+    try:
+        check_parts(out, existing)
     except ConfigError as error:
-        error.shown_by_rank0 = True  # the same files on every rank: the same error, shown once
-        raise
+        raise SharedConfigError(f"--out: {error}. {out} holds finished versions, which are not embedded again in "
+                                "place: embed the source into a new --out (and build its index there)") from None
 
 
 def _embed_agreed(model: LoadedModel, dataset: LabelledDataset, listing: PartPlan, existing: dict[str, Any] | None,
@@ -327,6 +337,7 @@ def _embed_agreed(model: LoadedModel, dataset: LabelledDataset, listing: PartPla
     _check_ranks_agree(backend, model, listing, data, out)
     version, table = _plan_version(out, existing, dataset, listing, backend)
     if version.empty:
+        _check_finished_versions(out, existing)
         if backend.rank == 0:
             print(f"[pksampler] embed: {data} lists what version {len(existing['versions'])} of {out} holds; "
                   "nothing to embed", flush=True)

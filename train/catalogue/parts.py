@@ -473,7 +473,7 @@ def _check_bytes(folder: Path, part: int, record: dict[str, Any], record_path: P
     if changed is not None:
         raise ConfigError(f"{changed}: its bytes are not the ones {record_path.name} records (SHA-256): "
                           "replaced, linked to another part or damaged since it was embedded; embed the "
-                          "catalogue again (finished parts whose bytes hold are kept)")
+                          "source into a new --out (a job stopped before its manifest mends it on restart)")
 
 
 def iter_parts(out: str | Path, manifest: dict[str, Any], *, mmap: bool = True, versions: set[int] | None = None

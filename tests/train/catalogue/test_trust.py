@@ -412,9 +412,10 @@ def test_a_lock_file_left_by_a_killed_job_does_not_stop_the_next_one(tmp_path):
     assert (out / parts_module.JOB_LOCK).read_text().startswith(f"model {manifest['model']['digest'][:12]}, pid ")
 
 
-def test_a_part_damaged_after_embedding_is_embedded_again_by_the_rerun_the_refusal_advises(tmp_path, capsys):
-    """Before: a restart skipped the damaged part (its record still matched), so 'embed the catalogue again' did not
-    mend it."""
+def test_a_part_damaged_after_embedding_is_refused_by_the_index_and_the_rerun_and_a_new_out_mends_it(tmp_path, capsys):
+    """Before: a rerun skipped the damaged part (its record still matched) and said nothing. A finished version is
+    not embedded again in place (its ids name the items of its day): both commands name the part, the rerun names
+    --out, and embedding into a new --out gives a catalogue the index takes."""
     checkpoint = make_checkpoint(tmp_path / "a.pt")
     data = render_folder(tmp_path / "products", classes=2, per_class=3)
     out, options = tmp_path / "catalogue", EmbedOptions(part_size=3, workers=0)
@@ -423,12 +424,14 @@ def test_a_part_damaged_after_embedding_is_embedded_again_by_the_rerun_the_refus
     good = np.load(path)
     np.save(path, -good)  # finite, unit length, the right shape: only the bytes tell
     assert cli.build_index_main([str(out), "--out", str(tmp_path / "index")]) == 2
-    _one_line(capsys, r"part-00001\.npy: its bytes are not the ones part-00001\.json records")
-    kept = (out / "embeddings" / "part-00000.npy").stat().st_mtime_ns
-    embed_catalogue(checkpoint, str(data), out, Backend(), options=options)
-    assert np.array_equal(np.load(path), good)
-    assert (out / "embeddings" / "part-00000.npy").stat().st_mtime_ns == kept  # the sound part was skipped
-    assert cli.build_index_main([str(out), "--out", str(tmp_path / "index")]) == 0
+    _one_line(capsys, r"part-00001\.npy: its bytes are not the ones part-00001\.json records.*new --out")
+    assert cli.embed_main(["--checkpoint", str(checkpoint), "--data", str(data), "--out", str(out),
+                           "--part-size", "3", "--workers", "0"]) == 2
+    _one_line(capsys, r"^error: --out: .*part-00001\.npy: its bytes are not .*embed the source into a new --out")
+    fresh = tmp_path / "catalogue2"
+    embed_catalogue(checkpoint, str(data), fresh, Backend(), options=options)
+    assert np.array_equal(np.load(fresh / "embeddings" / "part-00001.npy"), good)
+    assert cli.build_index_main([str(fresh), "--out", str(tmp_path / "index")]) == 0
 
 
 def test_an_ivfpq_index_refuses_a_catalogue_embedded_again_by_another_model_under_it(tmp_path):
