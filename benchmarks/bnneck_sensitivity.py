@@ -1,6 +1,6 @@
 """How much a rounding-sized change of the starting weights moves the loss trace, with and without the BNNeck.
 
-Run: .venv/bin/python benchmarks/bnneck_sensitivity.py [--eps 1e-7]
+Run: .venv/bin/python benchmarks/bnneck_sensitivity.py [--eps 1e-7] [--elastic-head]
 
 Trains the tiny sharded-head config of tests/distributed/test_sharded_head.py
 (7 steps of 18 images, ArcFace with sub-centres) in one process four times:
@@ -9,6 +9,11 @@ same weights scaled by ``1 + eps * N(0, 1)`` (``eps`` the size of fp32
 rounding, which another summation order gives). Prints the relative change
 of the loss at each step. It tells a world-size bug from the training's own
 sensitivity: the trace at W = 2 or 3 may drift only as far as this.
+
+``--elastic-head`` measures the run of the elastic head tests instead
+(tests/distributed/test_elastic.py ``HEAD_SETTINGS``: the demo data, 12 SGD
+steps, CosFace beside the pair loss, no BNNeck), with and without the model's
+BatchNorm neck on the gathered batch (``model.neck: batch``, configs/folder.yaml's).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
+from test_elastic import HEAD_SETTINGS  # noqa: E402
 from test_sharded_head import CONFIG  # noqa: E402
 
 from pksampler.train import main as train  # noqa: E402
-from pksampler.train.config.load import build_config  # noqa: E402
+from pksampler.train.config.load import build_config, load_config  # noqa: E402
 from pksampler.train.engine.trainer import HookBase  # noqa: E402
 
 
@@ -44,10 +50,14 @@ class ScaleWeights(HookBase):
                 parameter.mul_(1 + self.eps * torch.randn(parameter.shape, generator=generator))
 
 
-def trace(bnneck: bool, eps: float, workspace: Path) -> list[float]:
-    """The step losses of one run."""
-    tree = {**CONFIG, "head": {**CONFIG["head"], "bnneck": bnneck}, "workspace": str(workspace)}
-    train(build_config(tree), [ScaleWeights(eps)])
+def trace(neck: bool, eps: float, workspace: Path, *, elastic_head: bool = False) -> list[float]:
+    """The step losses of one run: with or without the head's BNNeck, or (``elastic_head``) the model's neck."""
+    if elastic_head:
+        config = load_config(ROOT / "configs" / "demo.yaml",
+                             [*HEAD_SETTINGS, f"model.neck={'batch' if neck else 'none'}", f"workspace={workspace}"])
+    else:
+        config = build_config({**CONFIG, "head": {**CONFIG["head"], "bnneck": neck}, "workspace": str(workspace)})
+    train(config, [ScaleWeights(eps)])
     lines = (workspace / "metrics.jsonl").read_text().splitlines()
     return [record["loss"] for record in map(json.loads, lines) if record["type"] == "step"]
 
@@ -55,14 +65,18 @@ def trace(bnneck: bool, eps: float, workspace: Path) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eps", type=float, default=1e-7)
+    parser.add_argument("--elastic-head", action="store_true",
+                        help="the elastic head tests' run, with and without the model's neck (model.neck: batch)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
-        for bnneck in (True, False):
-            seeded, moved = (trace(bnneck, eps, Path(folder) / f"{bnneck}-{eps}") for eps in (0.0, args.eps))
+        for neck in (True, False):
+            seeded, moved = (trace(neck, eps, Path(folder) / f"{neck}-{eps}", elastic_head=args.elastic_head)
+                             for eps in (0.0, args.eps))
             change = [abs(a - b) / abs(a) for a, b in zip(seeded, moved)]
-            rows.append(f"| {'with' if bnneck else 'without'} the neck | " + " | ".join(f"{c:.1e}" for c in change) + " |")
+            cells = " | ".join(f"{c:.1e}" for c in change)
+            rows.append(f"| {'with' if neck else 'without'} the neck | {cells} |")
     steps = len(change)
     print(f"relative change of the loss after scaling the weights by 1 + {args.eps:g} * N(0, 1)\n")
     print("| step | " + " | ".join(str(s) for s in range(1, steps + 1)) + " |")

@@ -328,9 +328,13 @@ def test_when_rank_0s_host_leaves_the_new_rank_0_takes_over_the_workspace(tmp_pa
     assert "is rank 0 now and writes the workspace" in run.output, run.output[-3000:]
 
 
-#: the join run with a row-sharded head beside the pair loss (cosface over every class each step). The BNNeck a
-#: head brings by default is off: its batch statistics over 2 then 4 ranks' sums drift ~1e-3 in 6 steps whatever
-#: the launcher (docs/sharded-head.md, "Tested"), which would hide the sum-order tolerance this run checks
+#: the join run with a row-sharded head beside the pair loss (cosface over every class each step). Both necks
+#: are off: the BNNeck a head brings by default drifts ~1e-3 in 6 steps whatever the launcher, and with
+#: configs/folder.yaml's neck (model.neck=batch, on the gathered batch) one process whose weights are moved by
+#: rounding-sized noise (x (1 + 1e-7 N)) drifts 0.44 in a loss of ~9 by step 10, as far as an uninterrupted
+#: horovodrun -np 2 drifts from it (0.38); this join run repeats that -np 2 run bit for bit through the new
+#: world's first step and within 6.8e-5 after it (docs/sharded-head.md, "BNNeck: the traces drift, and why"):
+#: either neck would hide the sum-order tolerance this run checks
 HEAD_SETTINGS = (*JOIN_SETTINGS, "head.name=cosface", "head.scale=16", "head.margin=0.2", "head.bnneck=false")
 
 

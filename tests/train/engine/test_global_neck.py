@@ -22,6 +22,7 @@ from pksampler.train.errors import ConfigError
 from pksampler.train.losses.pair import build_loss
 from pksampler.train.modeling.model import EmbeddingNet, global_neck, norm_factory
 from pksampler.train.runtime.distributed import Backend
+from pksampler.world import World
 
 #: the neck's tensors as checkpoints written before the neck moved to the step name them
 SAVED_NECK = {"neck.weight", "neck.bias", "neck.running_mean", "neck.running_var", "neck.num_batches_tracked"}
@@ -142,3 +143,42 @@ def test_the_neck_needs_two_rows():
     neck = GlobalNeck.of(model, lambda: 1.0)
     with pytest.raises(ValueError, match="model.neck: 'batch' normalises over the global batch and needs at least 2"):
         neck(torch.randn(1, 16))
+
+
+class _HorovodLike(Backend):
+    """Horovod's rule without Horovod: the gathered loss is multiplied by the world size."""
+
+    scales_gathered_loss = True
+
+
+class _Share:
+    """A sampler stand-in: it takes the new world and nothing else."""
+
+    def set_world(self, world: World) -> None:
+        self.world = world
+
+
+def test_the_necks_gradient_divisor_follows_the_world_after_a_reset():
+    # Horovod elastic: a job started on 2 ranks grows to 4 (a join) and shrinks to 3 (a leave), and a rollback
+    # loads the committed state into the same parameters; each time the neck's gradient, computed whole on every
+    # rank with the loss scaled by the new W, must be one process's again (a divisor read once would stay 2).
+    images, labels = _batch()
+    loss_fn = build_loss("multi_similarity", {})
+    one = _net()
+    GlobalNeck.of(one, lambda: 1.0)
+    loss_fn(one.finish(one.train()(images)), labels).backward()
+    want = one.neck.weight.grad.clone()
+    backend = _HorovodLike("cpu", "fp32")
+    backend.set_world(World(rank=0, size=2))
+    model = _net()
+    parts = _parts(model, loss_fn, backend)
+    parts.sampler = _Share()
+    trainer = Trainer(parts, [])
+    saved = copy.deepcopy(model.state_dict())
+    for world in (World(rank=1, size=4), World(rank=0, size=3)):
+        trainer.set_world(world)
+        model.load_state_dict(saved)  # what Horovod's restore does: the same parameter objects, their hooks kept
+        model.zero_grad()
+        (backend.gathered_loss_scale * loss_fn(parts.neck(model.train()(images)), labels)).backward()
+        assert backend.gathered_loss_scale == world.size
+        assert torch.allclose(model.neck.weight.grad, want, rtol=1e-5, atol=1e-7), world
