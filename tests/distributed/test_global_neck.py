@@ -93,8 +93,12 @@ def test_the_neck_statistics_are_the_global_batch_ones_and_the_config_is_invaria
     assert int(one["neck.num_batches_tracked"]) == STEPS and float(one["neck.running_mean"].abs().max()) > 1e-3
     for world in (2, 3):
         other = neck(world)
-        assert all(float((other[k].float() - one[k].float()).abs().max()) < 5e-4 * float(one[k].float().abs().max())
-                   for k in one), world  # as close as the traces: the statistics of the same batches
+        # as close as the traces: the statistics of the same batches. Each tensor relative to its own scale, at
+        # least 0.01: without the head the neck's bias stays near zero (3e-5 after 12 steps), where summation
+        # order alone is a large relative part (2e-8); a per-rank neck would be off by 1e-2 and more
+        drift = {k: float((other[k].float() - one[k].float()).abs().max()) / max(float(one[k].float().abs().max()), 1e-2)
+                 for k in one}
+        assert max(drift.values()) < 5e-4, (world, drift)
     for world, (_, output) in traces.items():
         assert "note: this config trains a different model" not in output, world
 
