@@ -77,9 +77,10 @@ _REFERENCE_PACKAGES = ("torchvision", "timm")
 @pytest.fixture(autouse=True, scope="module")
 def _forget_reference_packages():
     """A test module that imported the parity tests' reference code (tests/reference_models.py registers
-    torchvision's files bare, and timm) leaves no trace of it for the next: Lightning, imported by a later
+    torchvision's files bare, and timm from a folder it adds to sys.path) leaves no trace of it for the next: Lightning, imported by a later
     module in the same interpreter, would take the bare torchvision for an installed one and fail to import."""
-    before = {name for name in sys.modules if name.split(".")[0] in _REFERENCE_PACKAGES}
+    before, path = {name for name in sys.modules if name.split(".")[0] in _REFERENCE_PACKAGES}, list(sys.path)
     yield
     for name in [n for n in sys.modules if n.split(".")[0] in _REFERENCE_PACKAGES and n not in before]:
         del sys.modules[name]
+    sys.path[:] = path  # the reference folder tests/reference_models.py put on it

@@ -52,27 +52,13 @@ _lasting: set[int] = set()  # pids of launches that outlive the test that starte
 _guard: subprocess.Popen | None = None
 
 #: the guard: a process of its own that waits for the end of pytest (its stdin closes, however pytest ended) and
-#: then ends every process still carrying one of the session's tags
+#: then ends every process still carrying one of the session's tags, with this module's own :func:`kill_tagged`
 _GUARD = """
-import sys, psutil
+import sys
+sys.path.insert(0, sys.argv[2])
+from launch import kill_tagged
 sys.stdin.buffer.read()
-prefix = sys.argv[1] + "/"
-for _ in range(20):
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("PKSAMPLER_TEST_LAUNCH", "").startswith(prefix):
-                found.append(p)
-        except psutil.Error:
-            pass
-    if not found:
-        break
-    for p in found:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(found, timeout=2)
+kill_tagged(sys.argv[1], rounds=20)
 """
 
 
@@ -80,7 +66,8 @@ def _start_guard() -> None:
     global _guard
     if _guard is None or _guard.poll() is not None:
         # stdin is a pipe only this process holds open (Popen closes it in every child): EOF means pytest is gone
-        _guard = subprocess.Popen([sys.executable, "-c", _GUARD, SESSION], stdin=subprocess.PIPE,
+        _guard = subprocess.Popen([sys.executable, "-c", _GUARD, SESSION, str(Path(__file__).parent)],
+                                  stdin=subprocess.PIPE,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                                   env={k: v for k, v in os.environ.items() if k != TAG})
 
@@ -96,6 +83,21 @@ def tagged(tag: str) -> list[psutil.Process]:
         if value == tag or value.startswith(tag + "/"):
             found.append(process)
     return found
+
+
+def kill_tagged(tag: str, *, rounds: int = 10) -> None:
+    """SIGKILL every process that carries ``tag`` (or a tag nested under it), again until none is left: a launcher
+    may start a worker while its siblings die."""
+    for _ in range(rounds):
+        members = tagged(tag)
+        if not members:
+            return
+        for member in members:
+            try:
+                member.send_signal(signal.SIGKILL)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(members, timeout=2)
 
 
 def spawn(command: list[str], *, kind: str, outlives_test: bool = False, **popen: Any) -> subprocess.Popen:
@@ -120,17 +122,8 @@ def end_launch(process: subprocess.Popen) -> None:
     """SIGKILL a spawned launch and every process under it, wherever it was re-parented (a no-op once it is gone)."""
     _, tag = _live.pop(process.pid, (process, None))
     _lasting.discard(process.pid)
-    members = tagged(tag) if tag else []
-    for _ in range(10):  # a launcher may start a worker while its siblings die
-        if not members:
-            break
-        for member in members:
-            try:
-                member.send_signal(signal.SIGKILL)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(members, timeout=2)
-        members = tagged(tag) if tag else []
+    if tag:
+        kill_tagged(tag)
     if process.poll() is None:
         process.kill()
     process.wait()
