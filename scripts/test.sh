@@ -8,6 +8,7 @@
 #   PYTHON=python3.12 scripts/test.sh -x     # Python 3.12, .venv-3.12/, pytest -x
 #   scripts/test.sh --fast                   # the edit loop's tier: every test that starts no launcher
 #                                            # (horovodrun, torchrun, accelerate, Lightning) and no S3 server
+#   PKSAMPLER_TEST_WORKERS=0 scripts/test.sh tests/x.py   # one process (pdb, -s); default: 2 xdist workers
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$("$ROOT/scripts/setup.sh" --print-venv)" || exit 1
@@ -23,9 +24,17 @@ fi
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-$profile}"
 echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.split()[0])') in $VENV," \
      "hypothesis profile $HYPOTHESIS_PROFILE" >&2
+# Two worker processes (pytest-xdist; PKSAMPLER_TEST_WORKERS=N for another count, 0 for none): a launched test
+# spends much of its time starting ranks and waiting on collectives, so a second worker's tests fill those gaps.
+# --dist loadfile keeps a test file on one worker: the launches its module fixtures share start once.
+workers="${PKSAMPLER_TEST_WORKERS:-2}"
+parallel=()
+if [[ "$workers" != "0" ]]; then
+    parallel=(-n "$workers" --dist loadfile)
+fi
 # --durations=25: the slowest tests, printed at the end of every run, so the suite's cost is a recorded fact;
 # the session's summary also counts the launches (tests/launch.py).
-"$VENV/bin/python" -m pytest --durations=25 "$@"
+"$VENV/bin/python" -m pytest "${parallel[@]}" --durations=25 "$@"
 rc=$?
 if [[ $rc -eq 5 ]]; then
     echo "pytest collected no tests: failing" >&2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
 from pathlib import Path
@@ -50,12 +51,33 @@ def _end_the_tests_launches():
             launch.end_launch(process)
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The number of launches (horovodrun, torchrun, the frameworks' launchers, the S3 server) this run started."""
+#: launches counted by pytest-xdist's workers (``-n``), added up by the controller as each worker ends
+_WORKER_LAUNCHES: collections.Counter[str] = collections.Counter()
+
+
+def pytest_sessionfinish(session):
+    """In an xdist worker: hand this worker's launch count to the controller (``workeroutput``)."""
     launch = sys.modules.get("launch")
-    if launch is not None and launch.LAUNCHES:
-        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(launch.LAUNCHES.items()))
-        terminalreporter.write_line(f"launches: {sum(launch.LAUNCHES.values())} ({kinds})")
+    if hasattr(session.config, "workeroutput") and launch is not None:
+        session.config.workeroutput["launches"] = dict(launch.LAUNCHES)
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: without xdist (-p no:xdist) it is never called
+def pytest_testnodedown(node, error):
+    """In the xdist controller: add up the launches of a worker that ended."""
+    _WORKER_LAUNCHES.update(getattr(node, "workeroutput", {}).get("launches", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of launches (horovodrun, torchrun, the frameworks' launchers, the S3 server) this run started,
+    over every xdist worker."""
+    launch = sys.modules.get("launch")
+    launches = collections.Counter(_WORKER_LAUNCHES)
+    if launch is not None:
+        launches.update(launch.LAUNCHES)
+    if launches:
+        kinds = ", ".join(f"{kind} {count}" for kind, count in sorted(launches.items()))
+        terminalreporter.write_line(f"launches: {sum(launches.values())} ({kinds})")
 
 
 @pytest.fixture(scope="session")

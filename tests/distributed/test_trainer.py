@@ -1,4 +1,8 @@
-"""The trainer in real processes under both launchers: horovodrun -np 2 (Gloo) and torchrun (gloo)."""
+"""The trainer in real processes under both launchers: horovodrun -np 2 (Gloo) and torchrun (gloo).
+
+The runs that train and compare; the errors are in test_trainer_errors.py, the 16-rank default command in
+test_default_command.py.
+"""
 
 from __future__ import annotations
 
@@ -9,50 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from launch import LAUNCHERS, ROOT, launch, rank_tracebacks, shared_run
+from launch import LAUNCHERS, launch, shared_run
+from trainer_runs import HOOKED, SCRIPT, TINY, backend_of, checkpoint, max_difference, write_config
 
 pytestmark = pytest.mark.horovod
-SCRIPT = ROOT / "train" / "retrieval.py"
-HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
-
-TINY = {
-    "seed": 3,
-    "data": {"name": "synthetic", "args": {"num_classes": 24, "images_per_class": 6, "image_size": 32},
-             "test_fraction": 0.3, "image_size": 24, "workers": 0},
-    "sampler": {"name": "balanced", "classes_per_step": 4, "samples_per_class": 3},
-    "model": {"width": 8, "depth": [1, 1], "embedding_dim": 16, "norm": "group"},
-    "loss": {"name": "batch_hard", "args": {"margin": "soft"}},
-    "optim": {"lr": 0.003, "base_batch": 12, "warmup_steps": 3},
-    "train": {"epochs": 2, "eval_every": 1, "checkpoint_every": 4, "gallery_queries": 3, "tensorboard": False},
-}
-
-
-def write_config(tmp_path: Path, name: str, **changes) -> Path:
-    config = json.loads(json.dumps(TINY))
-    for dotted, value in changes.items():
-        node = config
-        *parents, last = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = value
-    config["workspace"] = str(tmp_path / name)
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
-
-
-def checkpoint(workspace: Path) -> dict:
-    return torch.load(workspace / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
-
-
-def max_difference(a: dict, b: dict) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
-
-
-def backend_of(launcher: str) -> str:
-    return {"horovodrun": "horovod", "torchrun": "torch"}[launcher]
 
 
 @shared_run()
@@ -178,39 +142,6 @@ def test_triplet_sampler_with_hard_negatives_trains_on_two_ranks(tmp_path):
     assert tables and tables[-1][1].shape[1] == 3  # the table refreshed after epoch 1 is saved for resuming
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_bad_config_key_reported_once_by_rank_zero(tmp_path, launcher):
-    config = write_config(tmp_path, "bad", train__epochz=3)
-    result = launch(launcher, SCRIPT, "--config", str(config))
-    assert result.returncode != 0
-    assert result.stdout.count("unknown config key train.'epochz'") == 1, result.stdout[-3000:]
-    assert rank_tracebacks(result.stdout) == 0, result.stdout[-3000:]
-
-
-def test_config_errors_give_one_line_and_status_two_every_time(tmp_path):
-    # 8 launches, each case under both launchers: the rank-0 line must never be lost when the launcher tears the
-    # job down.
-    cases = [("--set", "sampler.classes_per_step=two"), ("--set", "optim.lr=.inf"), ("--set", "train.epochs=[1"),
-             ("--set", f"workspace={tmp_path / 'file.txt'}")]
-    (tmp_path / "file.txt").write_text("a file, not a folder")
-    config = write_config(tmp_path, "run")
-    for repeat in range(2 * len(cases)):
-        args = cases[repeat // 2]
-        result = launch("torchrun" if repeat % 2 else "horovodrun", SCRIPT, "--config", str(config), *args)
-        errors = [line for line in result.stdout.splitlines() if "error:" in line]
-        assert len(errors) == 1 and rank_tracebacks(result.stdout) == 0, (args, result.stdout[-3000:])
-        assert result.returncode != 0, result.stdout[-2000:]
-
-
-def test_more_ranks_than_classes_per_step_are_refused_once(tmp_path):
-    result = launch("horovodrun", SCRIPT, "--set", f"workspace={tmp_path / 'ws'}", "--set", "train.epochs=1",
-                    "--set", "sampler.classes_per_step=2", np=3, timeout=180)
-    assert result.returncode != 0
-    message = ("sampler.classes_per_step=2 cannot be split over 3 ranks: every rank needs at least one per step, "
-               "so the world size must be at most 2")
-    assert result.stdout.count(message) == 1 and rank_tracebacks(result.stdout) == 0, result.stdout[-3000:]
-
-
 def test_three_ranks_train_the_same_model_as_one_process_with_the_default_config(tmp_path):
     # G = 16 does not split evenly over 3 ranks: 6, 5 and 5 classes of K = 4 images, gathered unequally.
     # SGD for the reason given above EQUIVALENCE: with the default AdamW the ranks' ~1e-8 reduction-order
@@ -230,45 +161,6 @@ def test_three_ranks_train_the_same_model_as_one_process_with_the_default_config
     assert max(abs(a - b) for a, b in zip(three_losses, one_losses)) < 1e-5, (three_losses, one_losses)
     difference = max_difference(checkpoint(tmp_path / "three")["model"], checkpoint(tmp_path / "one")["model"])
     assert difference < 1e-5, difference
-
-
-@pytest.mark.parametrize("key, value", [("train.max_steps", "3"), ("train.gather_embeddings", "false"),
-                                        ("optim.lr", "0.01")])
-def test_ranks_that_disagree_stop_with_the_same_error_on_both(tmp_path, key, value):
-    config = write_config(tmp_path, "run")
-    # A hang would last until Gloo's 180 s timeout; the launch's 150 s limit fails the test first (no timing compared).
-    result = launch("horovodrun", HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_RANK_SET": f"1:{key}={value}"},
-                    timeout=150)
-    assert result.returncode != 0
-    assert result.stdout.count(f"ranks disagree on {key}") == 1, result.stdout[-3000:]
-
-
-def test_an_unexpected_exception_shows_one_traceback(tmp_path):
-    config = write_config(tmp_path, "raise")
-    result = launch("horovodrun", HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_RAISE": "2"}, timeout=120)
-    assert result.returncode != 0
-    assert result.stdout.count("RuntimeError: unexpected failure injected at step 2") >= 1
-    assert rank_tracebacks(result.stdout) == 1, result.stdout[-3000:]
-
-
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_a_dying_rank_ends_the_job_quickly(tmp_path, launcher):
-    # The survivor would otherwise wait in a collective until its timeout (Gloo 180 s, torchrun's
-    # train.collective_timeout, set past the launch limit here): the launch's 150 s limit fails the test first.
-    config = write_config(tmp_path, "crash", train__epochs=50, train__collective_timeout=600)
-    result = launch(launcher, HOOKED, "--config", str(config), env={"PKSAMPLER_TEST_CRASH": "1:3"}, timeout=150)
-    assert result.returncode != 0
-    assert "simulated crash at step 3" in result.stdout
-
-
-@pytest.mark.slow
-def test_the_default_command_at_sixteen_ranks(tmp_path):
-    # `horovodrun -np 16 python train/retrieval.py` with the default config; one epoch to bound the time.
-    result = launch("horovodrun", SCRIPT, "--set", f"workspace={tmp_path / 'np16'}", "--set", "train.epochs=1",
-                    np=16, timeout=540)
-    assert result.returncode == 0, result.stdout[-4000:]
-    assert "world=16" in result.stdout and "batch/rank=4 global=64" in result.stdout
-    assert (tmp_path / "np16" / "curves.png").is_file() and (tmp_path / "np16" / "galleries" / "epoch_001.png").is_file()
 
 
 def test_cross_batch_memory_is_the_same_at_one_and_two_ranks(tmp_path):

@@ -1,0 +1,53 @@
+"""The small config the trainer's launched tests share (tests/distributed/test_trainer.py, test_trainer_errors.py):
+24 synthetic classes, a two-stage net, two short epochs; and the readers of what a run wrote."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import yaml
+from launch import ROOT
+
+SCRIPT = ROOT / "train" / "retrieval.py"
+HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
+
+TINY = {
+    "seed": 3,
+    "data": {"name": "synthetic", "args": {"num_classes": 24, "images_per_class": 6, "image_size": 32},
+             "test_fraction": 0.3, "image_size": 24, "workers": 0},
+    "sampler": {"name": "balanced", "classes_per_step": 4, "samples_per_class": 3},
+    "model": {"width": 8, "depth": [1, 1], "embedding_dim": 16, "norm": "group"},
+    "loss": {"name": "batch_hard", "args": {"margin": "soft"}},
+    "optim": {"lr": 0.003, "base_batch": 12, "warmup_steps": 3},
+    "train": {"epochs": 2, "eval_every": 1, "checkpoint_every": 4, "gallery_queries": 3, "tensorboard": False},
+}
+
+
+def write_config(tmp_path: Path, name: str, **changes) -> Path:
+    """TINY with ``changes`` (``block__key=value``), its workspace ``tmp_path / name``, as ``tmp_path / name.yaml``."""
+    config = json.loads(json.dumps(TINY))
+    for dotted, value in changes.items():
+        node = config
+        *parents, last = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    config["workspace"] = str(tmp_path / name)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def checkpoint(workspace: Path) -> dict:
+    return torch.load(workspace / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+
+
+def max_difference(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def backend_of(launcher: str) -> str:
+    return {"horovodrun": "horovod", "torchrun": "torch"}[launcher]
