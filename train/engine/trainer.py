@@ -224,13 +224,14 @@ class Trainer:
     def set_world(self, world: World) -> None:
         """A new world (a membership change): every part that owns a share takes it, then every hook is told.
 
-        The backend first (rank, size and the loss scale follow from the world), then the sampler (the same
-        object: the loader's reference stays valid, and no label is grouped again), then
-        :attr:`StepParts.shared`; the embeddings are gathered from here on when the new world has more than
-        one rank.
+        The backend first (rank, size and the loss scale follow from the world; the others get the backend's
+        world, which carries that scale), then the sampler (the same object: the loader's reference stays valid,
+        and no label is grouped again), then :attr:`StepParts.shared`; the embeddings are gathered from here on
+        when the new world has more than one rank.
         """
         parts = self.parts
         parts.backend.set_world(world)
+        world = parts.backend.world
         parts.sampler.set_world(world)
         for part in parts.shared:
             part.set_world(world)

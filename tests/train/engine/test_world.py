@@ -22,7 +22,7 @@ from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.losses.headed import HeadedLoss
-from pksampler.train.solver.sparse_rows import SparseRowSGD
+from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.world import World
 
 LABELS = np.repeat(np.arange(48), 5)
@@ -138,13 +138,15 @@ def test_trainer_set_world_moves_every_part_that_owns_a_share_then_tells_the_hoo
 def test_the_heads_loss_takes_its_range_in_a_new_world_and_its_initial_rows_before_a_commit():
     classes, dim, spec = 20, 4, {"name": "cosface", "negatives": 8}
     head = ShardedMarginHead(classes, dim, SimpleNamespace(rank=2, size=3), **spec, seed=1)
-    loss = HeadedLoss(torch.nn.Identity(), head, SparseRowSGD(head, momentum=0.9), weight=1.0)
-    loss.set_world(World(rank=1, size=2))
+    loss = HeadedLoss(torch.nn.Identity(), head, neck=BNNeck(dim, grad_divisor=3.0))
+    assert head.gradient_scale == 1.0
+    loss.set_world(World(rank=1, size=2, loss_scale=2.0))  # the backend's world carries its loss scale
     assert (head.lo, head.hi) == shard_range(classes, 2, 1) and not head.rows.any()
-    assert loss.row_optimizer.buffer.shape == head.rows.shape
-    loss.load_initial(grad_divisor=2.0)
+    assert head.momentum.shape == head.rows.shape and head.decay.moved_at.shape == (head.hi - head.lo,)
+    assert head.gradient_scale == 2.0 and loss.neck.grad_divisor == 2.0  # each part takes it from the world
+    loss.load_initial()
     fresh = ShardedMarginHead(classes, dim, SimpleNamespace(rank=1, size=2), **spec, seed=1)
-    assert torch.equal(head.rows, fresh.rows) and loss.row_optimizer.grad_divisor == 2.0
+    assert torch.equal(head.rows, fresh.rows)
 
 
 def test_the_run_mode_is_chosen_once_from_the_launch(monkeypatch):
