@@ -246,6 +246,31 @@ def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_
                                elastic=mode.keeps_commits)
 
 
+def test_the_checkpoints_layout_is_kept_so_checkpoints_written_before_load(tmp_path):
+    """The head became one module owning its state; the loss's checkpoint keeps the names every earlier
+    checkpoint was written with, and such a state (momentum of the weighted rule included) loads."""
+    saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1),
+                                                   neck=BNNeck(D)).state_dict())
+    assert sorted(saved) == ["head", "neck", "pair"] and sorted(saved["pair"]) == ["margin"]
+    assert sorted(saved["head"]) == ["dim", "log_decay", "momentum", "momentum_of_own_loss", "num_classes", "rows",
+                                     "step", "subcentres"]
+    assert sorted(saved["neck"]) == ["norm.bias", "norm.weight"]
+    old = {**saved, "head": {k: v for k, v in saved["head"].items() if k != "momentum_of_own_loss"}}
+    old["head"]["momentum"] = torch.full((C, 1, D), 0.5)  # written when the rows stepped on weight x their loss
+    old["head"]["step"], old["head"]["log_decay"] = 3, torch.tensor([0.0, -0.1, -0.2, -0.3], dtype=torch.float64)
+    torch.save(old, tmp_path / "old.pt")
+
+    def load(group):
+        loss = HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1, loss_weight=0.5), neck=BNNeck(D))
+        loss.load_state_dict(torch.load(tmp_path / "old.pt", weights_only=True))
+        return loss.head
+
+    for rank, head in enumerate(run_ranks(2, load)):
+        lo, hi = shard_range(C, 2, rank)
+        assert torch.equal(head.rows, saved["head"]["rows"][lo:hi]) and head.step == 3 and head.decay.steps == 3
+        assert torch.equal(head.momentum, torch.full((hi - lo, 1, D), 1.0))  # divided back by head.weight
+
+
 def test_the_checkpoint_loads_with_weights_only(tmp_path):
     _, saved = train_trace(2, range(2))
     torch.save(saved, tmp_path / "head.pt")
