@@ -348,6 +348,11 @@ class ShardedMarginHead(torch.nn.Module):
         self.step = int(meta["step"])
         self.decay.load(meta["log_decay"])
 
+    def set_rows(self, local: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows ``local`` (indices into this rank's range) become ``values`` (a continued run's kept and imprinted
+        rows, ``train.init_from``); their momentum is left as it is."""
+        self.rows[local.to(self.rows.device)] = values.to(self.rows)
+
     def load_initial(self) -> None:
         """The initial rows of this rank's range (a new world before any step was committed)."""
         if self.decay.steps != 0:
