@@ -38,6 +38,8 @@ def _sampler(size: int, rank: int) -> DistributedBalancedBatchSampler:
     ({"size": 0}, r"World\(size=\) expects a positive int, got 0"),
     ({"local_rank": -1}, r"World\(local_rank=\) expects an int >= 0, got -1"),
     ({"local_size": 0}, r"World\(local_size=\) expects a positive int, got 0"),
+    ({"loss_scale": 0.0}, r"World\(loss_scale=\) expects a finite number > 0, got 0.0"),
+    ({"loss_scale": True}, r"World\(loss_scale=\) expects a finite number > 0, got True"),
 ])
 def test_a_bad_world_is_refused_naming_the_argument_the_value_and_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -80,6 +82,8 @@ def test_the_backend_reads_rank_size_and_loss_scale_from_its_world():
         backend.set_world(World(rank=2, size=3, local_rank=0))
         assert (backend.rank, backend.size, backend.local_rank) == (2, 3, 0)
     assert plain.gathered_loss_scale == 1.0 and scaling.gathered_loss_scale == 3.0
+    # the world the backend hands to the shared parts carries its scale (a part divides it out of its gradient)
+    assert plain.world.loss_scale == 1.0 and scaling.world == World(rank=2, size=3, loss_scale=3.0)
     with pytest.raises(AttributeError):
         plain.rank = 0  # nothing writes another object's rank
     with pytest.raises(TypeError, match=r"Backend.set_world\(world=\) expects a pksampler.world.World, got tuple"):
