@@ -65,7 +65,7 @@ def stepped_head(classes: int):
     backend = HorovodBackend("cpu", "fp32")
     head = ShardedMarginHead(classes, 128, backend, negatives=8192, seed=0)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=5e-4)
-    loss_fn = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0, pair_weight=0.0)
+    loss_fn = HeadedLoss(torch.nn.Identity(), head, pair_weight=0.0)
     generator = torch.Generator().manual_seed(backend.rank)
     mine = F.normalize(torch.randn(128, 128, generator=generator), dim=1).requires_grad_(True)
     labels = torch.randint(0, classes, (128,), generator=generator)

@@ -9,7 +9,7 @@ step, then commits three times as the trainer's elastic state does:
 
 * ``whole``: the commit before: ``copy.deepcopy(loss.state_dict(everywhere=True))``,
   the whole head's rows and momentum on every rank;
-* ``replica``: :class:`~pksampler.train.engine.elastic.HeadHandler`'s ``save``:
+* ``replica``: :class:`~pksampler.train.engine.elastic.ShardHandler`'s ``save``:
   this rank's range and the range of rank (r − 2) mod 4 (the other host),
   moved by all-to-all in blocks of 64 MiB.
 
@@ -37,10 +37,10 @@ from _measure import rss_bytes as _rss, stepped_head  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
-    from pksampler.train.engine.elastic import HeadHandler
+    from pksampler.train.engine.elastic import ShardHandler, Shared
 
     backend, loss_fn = stepped_head(args.classes)
-    handler = HeadHandler(loss_fn, grad_divisor=lambda: float(backend.size))
+    handler = ShardHandler(Shared(loss_fn), collectives=backend)
     held: object = None
     before, seconds = _rss(), []
     for _ in range(3):
@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> None:
         seconds.append(time.perf_counter() - start)
     backend.barrier()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    kept = sum(c.rows.shape[0] for c in handler.copies) if args.mode == "replica" else args.classes
+    kept = sum(c.hi - c.lo for c in handler.copies) if args.mode == "replica" else args.classes
     replica_of = [c.lo for c in handler.copies[1:]]  # the first class id of the replica's range
     del held
     print("RESULT " + json.dumps({"rank": backend.rank, "before": before, "peak_rss": peak,

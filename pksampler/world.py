@@ -29,12 +29,15 @@ __all__ = ["World"]
 @dataclass(frozen=True)
 class World:
     """``rank`` of ``size`` ranks; ``local_rank`` among the ``local_size`` ranks of this host (it selects the GPU;
-    the host's memory is shared by ``local_size`` ranks)."""
+    the host's memory is shared by ``local_size`` ranks); ``loss_scale``: what the trainer multiplies the loss of
+    the gathered global batch by before backward (Horovod, which averages gradients: ``size``; else 1), so a part
+    that owns a share of the world divides it out of its own gradient."""
 
     rank: int = 0
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
+    loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("rank", "size", "local_rank", "local_size"):
@@ -50,6 +53,10 @@ class World:
             raise ValueError(f"World(local_rank=) expects an int >= 0, got {self.local_rank}")
         if self.local_size < 1:
             raise ValueError(f"World(local_size=) expects a positive int, got {self.local_size}")
+        if isinstance(self.loss_scale, bool) or not isinstance(self.loss_scale, (int, float)) or not (
+                0 < self.loss_scale < float("inf")):
+            raise ValueError(f"World(loss_scale=) expects a finite number > 0, got {self.loss_scale!r}")
+        object.__setattr__(self, "loss_scale", float(self.loss_scale))
 
     @classmethod
     def detect(cls) -> "World":

@@ -74,6 +74,7 @@ from pksampler.train.engine.elastic import choose_run_mode
 from pksampler.train.engine.cached_step import CachedTrainer, check_chunkable
 from pksampler.train.engine.global_neck import GlobalNeck, per_rank_norms
 from pksampler.train.losses.headed import HeadedLoss
+from pksampler.train.modeling.head_memory import check_head_memory
 from pksampler.train.solver.sparse_rows import SparseRowSGD
 from pksampler.train.engine.trainer import StepParts, Trainer, TrainState, replay_history
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock, prepare_workspace, writing
@@ -149,6 +150,19 @@ def _model(config: RunConfig, backend: Backend, model: torch.nn.Module | None) -
     return backend.setup.prepare_model(build_model(config.model, norm_class, image_size=config.data.image_size))
 
 
+def _headed_loss(config: RunConfig, backend: Backend, mode: RunMode, pair: Any, *, num_classes: int,
+                 global_batch: int) -> tuple[HeadedLoss, SparseRowSGD]:
+    """The pair loss with the sharded head of ``head:`` in this rank's world, and the rows' optimizer; the host's
+    memory planned first, as the run mode says (Horovod elastic: its committed copies counted, and no collective,
+    since a joiner builds its head before it meets the survivors; otherwise every rank agrees in one)."""
+    elastic = mode.keeps_commits
+    check_head_memory(num_classes, config.model.embedding_dim, config.head.subcentres, world=backend.size,
+                      local_ranks=backend.local_size, elastic=elastic, collectives=None if elastic else backend)
+    loss_fn = HeadedLoss.from_config(config, backend, pair, num_classes=num_classes, world=backend.world,
+                                     gathered=config.train.gather_embeddings, elastic=elastic)
+    return loss_fn, SparseRowSGD.from_config(config, loss_fn.head, global_batch=global_batch)
+
+
 def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataParts, sampler: Any,
                 model: torch.nn.Module | None = None) -> StepParts:
     global_batch = sampler.global_batch_size  # per-rank sizes differ when W does not divide G
@@ -158,17 +172,16 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
         loss_fn = build_loss(config.loss.name, config.loss.args, miner=config.loss.miner, memory=memory)
     except (ValueError, TypeError, ImportError) as error:
         raise ConfigError(str(error)) from None
+    loss_fn.to(backend.device)
     row_optimizers, shared = (), ()
     if config.head.name is not None:
-        loss_fn = HeadedLoss.from_config(
-            config, backend, loss_fn, num_classes=int(np.asarray(data.dataset.labels).max()) + 1,
-            global_batch=global_batch, row_optimizer=SparseRowSGD,
-            grad_divisor=backend.gathered_loss_scale if backend.size > 1 else 1.0,
-            gathered=config.train.gather_embeddings, local_ranks=backend.local_size, elastic=mode.keeps_commits)
-        row_optimizers, shared = (loss_fn.row_optimizer,), (loss_fn,)  # the head's rows: a share of the world
-    loss_fn.to(backend.device)
+        classes = int(np.asarray(data.dataset.labels).max()) + 1
+        loss_fn, rows = _headed_loss(config, backend, mode, loss_fn, num_classes=classes, global_batch=global_batch)
+        row_optimizers, shared = (rows,), (loss_fn,)  # the head's rows: a share of the world
+        loss_fn.to(backend.device)
     # Proxy and classifier losses (pml.ArcFaceLoss, ...) train parameters of their own.
-    optimizer = build_optimizer(config.optim, model, global_batch, extra_parameters=loss_fn.parameters(),
+    optimizer = build_optimizer(config.optim, model, global_batch,
+                                extra_parameters=[p for p in loss_fn.parameters() if p.requires_grad],
                                 freeze_backbone_steps=config.model.freeze_backbone_steps)
     # A BatchNorm neck normalises the gathered global batch, when the step gathers (the same model at any W).
     neck = GlobalNeck.of(model, lambda: backend.gathered_loss_scale) if config.train.gather_embeddings else None

@@ -349,13 +349,27 @@ def _check_head_run_against_one_process(tmp_path: Path, workspace: Path) -> None
     _check_same_model(workspace, tmp_path / "alone")
 
 
+def _check_toy_table(folder: Path, *, size: int, step: int) -> None:
+    """A second sharded table (train_with_test_hooks.ToyTable, shared by a hook) came through every reset:
+    every row once, each holding its id plus every committed step's number once."""
+    ranks = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
+    assert len(ranks) == size and all(r["size"] == size and r["step"] == step for r in ranks), ranks
+    rows = sorted(row for r in ranks for row in r["rows"])
+    assert [int(row[1]) for row in rows] == list(range(37)), rows
+    assert all(value == ident + step * (step + 1) // 2 for value, ident in rows), rows
+
+
 def test_the_sharded_head_reaches_hosts_that_join(tmp_path):
     # Issue 29: the trainer refused a head under Horovod elastic (the rows would need re-sharding at a reset).
-    # Joiners receive rank 0's committed whole head in the sync and take their ranges of it.
+    # Joiners receive rank 0's committed whole head in the sync and take their ranges of it. A second sharded
+    # table, added by a hook (nothing in engine/elastic/ or run_setup knows it), reaches them the same way.
+    toy = tmp_path / "toy"
+    toy.mkdir()
     run = run_elastic(tmp_path, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3,
-                      settings=HEAD_SETTINGS)
+                      settings=HEAD_SETTINGS, env={"PKSAMPLER_TEST_TOY_TABLE": str(toy)})
     trained = check_exactly_the_plan(run, 12, HEAD_SETTINGS)
     assert (trained[1]["size"], trained[12]["size"]) == (2, 4), {s: t["size"] for s, t in trained.items()}
+    _check_toy_table(toy, size=4, step=12)
     _check_head_run_against_one_process(tmp_path, run.workspace)
 
 
@@ -363,10 +377,13 @@ def test_the_sharded_head_survives_a_host_leaving_and_a_resume_on_every_rank(tmp
     """4 ranks -> 2 after step 2 (the survivors re-shard from their committed copy: Horovod skips the sync),
     stop at step 8; then a new job resumes from last.pt, which only rank 0 reads: the first sync gives every rank
     the checkpoint's whole head (before, the other ranks kept their initial rows and the job failed)."""
+    toy = tmp_path / "toy"  # a second sharded table, kept by a hook: the survivors re-assemble it too
+    toy.mkdir()
     run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=2, max_np=4, after_step=2,
-                      settings=(*HEAD_SETTINGS, "train.max_steps=8"))
+                      settings=(*HEAD_SETTINGS, "train.max_steps=8"), env={"PKSAMPLER_TEST_TOY_TABLE": str(toy)})
     trained = check_exactly_the_plan(run, 8, HEAD_SETTINGS)
     assert (trained[1]["size"], trained[8]["size"]) == (4, 2), {s: t["size"] for s, t in trained.items()}
+    _check_toy_table(toy, size=2, step=8)
     command = elastic_command(tmp_path / "discover.sh", run.workspace, HEAD_SETTINGS, np=2, min_np=2, max_np=2)
     resumed = run_launcher(command, kind="horovodrun", timeout=300,
                            env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"})

@@ -18,6 +18,10 @@ BatchNorm running statistics to ``folder/<rank>.json``.
 ``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
+``PKSAMPLER_TEST_TOY_TABLE=folder``: a hook keeps a second row-sharded table
+(:class:`ToyTable`, the sharded-state protocol) that every step adds its
+global step to; after training every rank writes its range to
+``folder/<rank>.json``.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "train"))
 
 from retrieval import main  # noqa: E402
+
+import torch  # noqa: E402
 
 from pksampler.comm import world_info  # noqa: E402
 from pksampler.train.engine.hooks import HookBase  # noqa: E402
@@ -167,6 +173,64 @@ class RecordBatches(HookBase):
             handle.write(json.dumps(record) + "\n")
 
 
+class ToyTable:
+    """A row-sharded table of ``ROWS`` float64 rows beside the head, owned by a hook (the sharded-state protocol).
+
+    Row i starts at i; each global step adds the step's number to every row, so after step s every row
+    holds i + s(s + 1)/2 exactly, whatever world each step ran in, if its state followed every reset.
+    """
+
+    ROWS = 37
+
+    def __init__(self, world) -> None:
+        self.set_world(world)
+        self.load_initial()
+
+    @property
+    def num_rows(self) -> int:
+        return self.ROWS
+
+    def set_world(self, world) -> None:
+        from pksampler.train.modeling.sharded_head import shard_range
+
+        self.lo, self.hi = shard_range(self.ROWS, world.size, world.rank)
+        self.rows = torch.zeros(self.hi - self.lo, 2, dtype=torch.float64)  # (value, class id)
+
+    def load_initial(self) -> None:
+        ids = torch.arange(self.lo, self.hi, dtype=torch.float64)
+        self.rows = torch.stack([ids, ids], dim=1)
+
+    def range_state(self):
+        from pksampler.train.modeling.head_replicas import RangeCopy
+
+        return {"toy": True}, RangeCopy(self.lo, self.hi, (self.rows.clone(),))
+
+    def load_range(self, dense, fill) -> None:
+        assert dense == {"toy": True}, dense
+        fill(self.rows)
+
+
+class KeepToyTable(HookBase):
+    """The :class:`ToyTable`'s owner: it shares the table with the trainer and steps it; at the end, every rank's
+    range goes to ``folder/<rank>.json``."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder, self.table = Path(folder), None
+
+    def shares(self):
+        self.table = ToyTable(self.trainer.parts.backend.world)  # at registration: the backend's world
+        return (self.table,)
+
+    def after_step(self) -> None:
+        self.table.rows[:, 0] += self.trainer.state.global_step
+
+    def after_train(self) -> None:
+        backend = self.trainer.parts.backend
+        record = {"size": backend.size, "step": self.trainer.state.global_step, "lo": self.table.lo,
+                  "hi": self.table.hi, "rows": self.table.rows.tolist()}
+        (self.folder / f"{backend.rank}.json").write_text(json.dumps(record))
+
+
 def _arguments() -> tuple[list[str], list[HookBase]]:
     argv, hooks = sys.argv[1:], []
     crash = os.environ.get("PKSAMPLER_TEST_CRASH")
@@ -187,6 +251,8 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(WriteNormStatistics(os.environ["PKSAMPLER_TEST_NORM_STATS"]))
     if os.environ.get("PKSAMPLER_TEST_RECORD"):
         hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
+    if os.environ.get("PKSAMPLER_TEST_TOY_TABLE"):
+        hooks.append(KeepToyTable(os.environ["PKSAMPLER_TEST_TOY_TABLE"]))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
     if variant:
         rank, setting = variant.split(":", 1)

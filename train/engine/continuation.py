@@ -215,7 +215,7 @@ def _load_kept_rows(head: ShardedMarginHead, saved_head: dict[str, Any] | None, 
         if not torch.isfinite(taken).all():
             raise ConfigError(f"train.init_from: {path}: its head holds NaN or infinite rows (a run that "
                               "diverged): continue from an earlier checkpoint of it")
-        head.rows[torch.from_numpy(kept)] = taken.to(head.rows)
+        head.set_rows(torch.from_numpy(kept), taken)
     elif saved_head is None:
         kept = np.zeros(0, dtype=np.int64)
     return torch.from_numpy(np.setdiff1d(np.arange(local.size), kept))
@@ -251,7 +251,7 @@ def imprint_rows(head: ShardedMarginHead, embed: Callable[[np.ndarray], torch.Te
     imprinted = new_local[sums[new_local].norm(dim=1) > 0]  # classes with training images
     if imprinted.numel():
         means = F.normalize(sums[imprinted], dim=1) * length
-        head.rows[imprinted.to(head.rows.device)] = means[:, None, :].to(head.rows).expand(-1, head.subcentres, -1)
+        head.set_rows(imprinted, means[:, None, :].expand(-1, head.subcentres, -1))
     return int(imprinted.numel()), int(items.size)
 
 

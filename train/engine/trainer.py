@@ -67,6 +67,12 @@ class HookBase:
     def on_world_change(self) -> None:
         pass
 
+    def shares(self) -> Sequence[Any]:
+        """Parts this hook owns that hold a share of the world (a sharded table it keeps): added to
+        :attr:`StepParts.shared` when the hook is registered, so they take every new world and, under Horovod
+        elastic, are committed and re-assembled like the sharded head (docs/sharded-head.md)."""
+        return ()
+
 
 class TrainingDiverged(RuntimeError):
     """The loss, the embeddings or the parameters became NaN or infinite; the message names the step.
@@ -183,18 +189,14 @@ class Trainer:
         self.hooks: list[HookBase] = []
         self.register(hooks)
 
-    def register(self, hooks: Iterable[HookBase], *, first: bool = False) -> None:
-        """Append ``hooks``; each is called after those registered before it.
-
-        With ``first=True`` they go before every hook registered so far (in
-        their own order): a hook whose work the others' depends on, such as
-        the log that a checkpoint must not be ahead of under Horovod elastic.
-        """
+    def register(self, hooks: Iterable[HookBase]) -> None:
+        """Append ``hooks``; each is called after those registered before it. The parts each one
+        :meth:`~HookBase.shares` join :attr:`StepParts.shared`."""
         added = list(hooks)
         for hook in added:
             hook.trainer = self
-        at = 0 if first else len(self.hooks)
-        self.hooks[at:at] = added
+            self.parts.shared = (*self.parts.shared, *hook.shares())
+        self.hooks.extend(added)
 
     @property
     def global_batch(self) -> int:
@@ -224,13 +226,14 @@ class Trainer:
     def set_world(self, world: World) -> None:
         """A new world (a membership change): every part that owns a share takes it, then every hook is told.
 
-        The backend first (rank, size and the loss scale follow from the world), then the sampler (the same
-        object: the loader's reference stays valid, and no label is grouped again), then
-        :attr:`StepParts.shared`; the embeddings are gathered from here on when the new world has more than
-        one rank.
+        The backend first (rank, size and the loss scale follow from the world; the others get the backend's
+        world, which carries that scale), then the sampler (the same object: the loader's reference stays valid,
+        and no label is grouped again), then :attr:`StepParts.shared`; the embeddings are gathered from here on
+        when the new world has more than one rank.
         """
         parts = self.parts
         parts.backend.set_world(world)
+        world = parts.backend.world
         parts.sampler.set_world(world)
         for part in parts.shared:
             part.set_world(world)

@@ -2,12 +2,11 @@
 
 :meth:`HeadedLoss.from_config` is the whole head recipe (``head.*``; see
 docs/sharded-head.md): a :class:`~pksampler.train.modeling.sharded_head.ShardedMarginHead`
-with small rows and a scale derived from the number of classes, its own
-row-sparse SGD (``head.lr`` for ``optim.base_batch`` images, linear in the
-global batch, ``head.momentum``, ``head.weight_decay``; the rows step on the
-head's own loss, ``head.weight`` divided out), the optional BNNeck and the
-weights of the two losses in the network's gradient. The row optimizer's class is given by the
-caller (the solver sits above the losses in the layering).
+with small rows and a scale derived from the number of classes, the optional
+BNNeck and the weights of the two losses in the network's gradient. The rows'
+optimizer (:class:`~pksampler.train.solver.sparse_rows.SparseRowSGD`) is built
+by the caller: the solver sits above the losses in the layering, and the state
+it steps is the head's.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ from pksampler.world import World
 
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.bnneck import BNNeck
+from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 
 if TYPE_CHECKING:
@@ -28,30 +28,38 @@ if TYPE_CHECKING:
 __all__ = ["HeadedLoss"]
 
 
-class HeadedLoss:
+class HeadedLoss(torch.nn.Module):
     """``pair_weight · pair(embeddings, labels) + weight · head(embeddings, labels)``: the loss with a sharded head.
 
-    Behaves like the pair loss it wraps (``parameters``, ``to``, ``state_dict``);
-    its state adds the head's rows and momentum, keyed by class id, so a
-    checkpoint loads at any world size. :attr:`row_optimizer` is stepped by the
-    trainer after the dense optimizer (:meth:`Trainer.optimizer_step`).
+    A module of three parts, the pair loss, the head and the BNNeck (``neck``), so ``parameters``, ``to``,
+    ``train`` and ``buffers`` are nn.Module's; a pair loss that is not a module
+    (:class:`~pksampler.train.losses.pair.MetricLoss`) brings its trainable parameters as
+    ``pair_parameters``. ``weight`` is the head's :attr:`~ShardedMarginHead.loss_weight`. The checkpoint's
+    state keeps its layout (:meth:`state_dict`): the pair loss's own state, the whole head keyed by class id (so
+    any W loads it) and the neck's, nested as every checkpoint before was written.
     """
 
-    def __init__(self, pair: Any, head: ShardedMarginHead, row_optimizer: Any, *, weight: float,
-                 neck: torch.nn.Module | None = None, pair_weight: float = 1.0) -> None:
-        self.pair, self.head, self.row_optimizer, self.weight = pair, head, row_optimizer, weight
+    def __init__(self, pair: Any, head: ShardedMarginHead, *, neck: BNNeck | None = None,
+                 pair_weight: float = 1.0) -> None:
+        super().__init__()
+        self.pair = pair
+        if not isinstance(pair, torch.nn.Module) and hasattr(pair, "parameters"):
+            self.pair_parameters = torch.nn.ParameterList(pair.parameters())
+        self.head, self.neck = head, neck  # the head reads neck(embeddings), the pair loss the embeddings
         self.pair_weight = pair_weight  # 0: the head alone (the pair loss is not computed)
-        self.neck = neck  # BNNeck: the head reads neck(embeddings), the pair loss the embeddings
         self.last_head_loss = torch.zeros(())
 
-    @classmethod
-    def from_config(cls, config: "RunConfig", collectives: Any, pair: Any, *, num_classes: int, global_batch: int,
-                    row_optimizer: Callable[..., Any], grad_divisor: float = 1.0, gathered: bool = True,
-                    local_ranks: int = 1, elastic: bool = False) -> "HeadedLoss":
-        """The pair loss ``pair`` plus the head that ``head:`` configures, this rank's range of its C rows.
+    @property
+    def weight(self) -> float:
+        """The head's loss weight in the network's gradient (``head.weight``)."""
+        return self.head.loss_weight
 
-        ``row_optimizer``: the rows' optimizer class (:class:`~pksampler.train.solver.sparse_rows.SparseRowSGD`),
-        built with ``head.lr`` · global batch / ``optim.base_batch``, ``head.momentum``, ``head.weight_decay``.
+    @classmethod
+    def from_config(cls, config: "RunConfig", collectives: Any, pair: Any, *, num_classes: int,
+                    world: World | None = None, gathered: bool = True, elastic: bool = False) -> "HeadedLoss":
+        """The pair loss ``pair`` plus the head that ``head:`` configures, this rank's range of its C rows in
+        ``world`` (None: the collectives' rank and size, loss scale 1).
+
         ``gathered``: the trainer all-gathers the embeddings (needed by a head at more than one rank, and under
         Horovod elastic, whose world may grow).
         """
@@ -59,15 +67,14 @@ class HeadedLoss:
         if (collectives.size > 1 or elastic) and not gathered:
             raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see "
                               "the global batch)")
+        world = world if world is not None else World(rank=collectives.rank, size=collectives.size)
         module = ShardedMarginHead(num_classes, config.model.embedding_dim, collectives, name=head.name,
                                    scale=head.scale, margin=head.margin, negatives=head.negatives,
                                    subcentres=head.subcentres, softmax_steps=head.softmax_steps,
-                                   margin_ramp_steps=head.margin_ramp_steps, seed=config.seed,
-                                   local_ranks=local_ranks, elastic=elastic, agree_memory=not elastic)
-        rows = row_optimizer(module, lr=head.lr * global_batch / config.optim.base_batch, momentum=head.momentum,
-                             weight_decay=head.weight_decay, grad_divisor=grad_divisor, loss_weight=head.weight)
-        neck = BNNeck(config.model.embedding_dim, grad_divisor=grad_divisor) if head.bnneck else None
-        return cls(pair, module, rows, weight=head.weight, neck=neck, pair_weight=config.loss.weight)
+                                   margin_ramp_steps=head.margin_ramp_steps, seed=config.seed, world=world,
+                                   loss_weight=head.weight)
+        neck = BNNeck(config.model.embedding_dim, grad_divisor=world.loss_scale) if head.bnneck else None
+        return cls(pair, module, neck=neck, pair_weight=config.loss.weight)
 
     def step_scalars(self) -> dict[str, float]:
         """The head's numbers of the step just taken, for the step record: its loss (the margin's, the one
@@ -79,73 +86,71 @@ class HeadedLoss:
         """The head's loss of the gathered batch (through the neck when there is one)."""
         return self.head(self.neck(embeddings) if self.neck is not None else embeddings, labels)
 
-    def __call__(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         head_loss = self.head_loss(embeddings, labels)
         self.last_head_loss = head_loss.detach()
         if self.pair_weight == 0:
             return self.weight * head_loss
         return self.pair_weight * self.pair(embeddings, labels) + self.weight * head_loss
 
+    # --- the sharded-state protocol (docs/sharded-head.md): this loss owns the head's share of the world ---
+    @property
+    def num_rows(self) -> int:
+        """Rows of the whole table: the head's C classes."""
+        return self.head.num_classes
+
     def set_world(self, world: World) -> None:
-        """The world protocol (a Horovod elastic reset): this rank's range of rows in ``world``, zero until the
-        committed head is assembled into it (:meth:`load_assembled`, or :meth:`load_initial` before any
-        commit). Not collective: the trainer calls it on every survivor; a joiner's head is built in its world."""
-        self.row_optimizer.begin_world(world)
-
-    def _set_grad_divisor(self, grad_divisor: float) -> None:
-        self.row_optimizer.grad_divisor = grad_divisor
+        """The world protocol (a Horovod elastic reset): the head's range and gradient scale and the neck's
+        divisor in ``world``; the rows are zero until loaded (:meth:`load_range`, or :meth:`load_initial` before
+        any commit). Not collective: the trainer calls it on every survivor; a joiner's loss is built in its world."""
+        self.head.set_world(world)
         if self.neck is not None:
-            self.neck.grad_divisor = grad_divisor
+            self.neck.set_world(world)
 
-    def load_initial(self, *, grad_divisor: float) -> None:
-        """For a new world with no committed step: the initial rows of this rank's range, the new divisor."""
-        self._set_grad_divisor(grad_divisor)
-        self.row_optimizer.load_initial()
+    def load_initial(self) -> None:
+        """For a new world with no committed step: the initial rows of this rank's range."""
+        self.head.load_initial()
 
-    def own_range(self) -> tuple[dict[str, Any], Any]:
+    def range_state(self) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the dense state (pair loss, neck, the head's
         step and decay log; the same on every rank) and a host copy of this rank's rows and momentum."""
-        meta, own = self.row_optimizer.own_range()
+        meta, own = self.head.range_state()
         dense = {"pair": self.pair.state_dict(), "head": meta}
         if self.neck is not None:
             dense["neck"] = self.neck.state_dict()
         return dense, own
 
-    def load_assembled(self, dense: dict[str, Any], fill: Callable[[torch.Tensor, torch.Tensor], None], *,
-                       grad_divisor: float) -> None:
-        """For a new world: this rank's new range, its rows and momentum written by ``fill(rows, momentum)``
-        (a collective, :func:`~pksampler.train.modeling.head_replicas.assemble`), then ``dense``
-        (:meth:`own_range`'s) and the new world's gradient divisor. The range is the current world's
-        (:meth:`set_world`, or a joiner's head built in it)."""
-        self._set_grad_divisor(grad_divisor)
-        fill(self.head.rows, self.row_optimizer.buffer)
-        self.row_optimizer.load_meta(dense["head"])
+    def load_range(self, dense: dict[str, Any], fill: Callable[..., None]) -> None:
+        """For a new world: this rank's range of rows and momentum written by ``fill(rows, momentum)`` (a
+        collective, :func:`~pksampler.train.modeling.head_replicas.assemble`), then ``dense``
+        (:meth:`range_state`'s). The range is the current world's (:meth:`set_world`, or a joiner's head built
+        in it)."""
+        self.head.load_range(dense["head"], fill)
         self._load_pair_and_neck(dense)
 
-    def parameters(self) -> list[torch.nn.Parameter]:
-        neck = [p for p in self.neck.parameters() if p.requires_grad] if self.neck is not None else []
-        return list(self.pair.parameters()) + neck
+    def saved_copy(self, saved: dict[str, Any]) -> tuple[dict[str, Any], RangeCopy]:
+        """:meth:`state_dict`'s whole head as :meth:`range_state` gives a range: the dense state and one copy
+        of every row (rank 0 of a resumed job, the one that read the checkpoint)."""
+        head = dict(saved["head"])
+        rows, momentum = head.pop("rows"), head.pop("momentum")
+        if not head.get("momentum_of_own_loss"):
+            momentum = momentum / self.weight
+        return {**saved, "head": head}, RangeCopy(0, rows.shape[0], (rows, momentum))
 
-    def to(self, device: torch.device | str) -> "HeadedLoss":
-        self.pair.to(device)
-        self.head.to(device)
-        if self.neck is not None:
-            self.neck.to(device)
-        self.row_optimizer.buffer = self.row_optimizer.buffer.to(device)
-        return self
-
-    def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:
+    # --- the checkpoint: the whole head keyed by class id, any W loads it ------------------------------------
+    def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:  # type: ignore[override]
         """The pair loss's state and the whole head (a collective: every rank calls it together; the head's rows
-        and momentum reach rank 0 only unless ``everywhere``, see :meth:`SparseRowSGD.state_dict`)."""
-        state = {"pair": self.pair.state_dict(), "head": self.row_optimizer.state_dict(everywhere=everywhere)}
+        and momentum reach rank 0 only unless ``everywhere``, see :meth:`ShardedMarginHead.whole_state`)."""
+        state = {"pair": self.pair.state_dict(), "head": self.head.whole_state(everywhere=everywhere)}
         if self.neck is not None:
             state["neck"] = self.neck.state_dict()
         return state
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
+    def load_state_dict(self, saved: dict[str, Any]) -> None:  # type: ignore[override]
+        """:meth:`state_dict`'s layout, this rank's range of the head."""
         if "head" not in saved:
             raise ValueError("the checkpoint has no head (head.name was null when it was written)")
-        self.row_optimizer.load_state_dict(saved["head"])
+        self.head.load_whole(saved["head"])
         self._load_pair_and_neck(saved)
 
     def _load_pair_and_neck(self, saved: dict[str, Any]) -> None:

@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pksampler.world import World
+
 __all__ = ["BNNeck"]
 
 
@@ -39,6 +41,10 @@ class BNNeck(nn.Module):
         self.norm.bias.requires_grad_(False)
         self.grad_divisor = grad_divisor  # may change with the world size (a Horovod elastic reset)
         self.norm.weight.register_hook(self._rescale)
+
+    def set_world(self, world: World) -> None:
+        """The divisor of a new world: the loss scale its gathered batch carries (a Horovod elastic reset)."""
+        self.grad_divisor = world.loss_scale
 
     def _rescale(self, grad: torch.Tensor) -> torch.Tensor:
         return grad / self.grad_divisor

@@ -50,17 +50,28 @@ class HeadRowsLost(ConfigError):
 
 @dataclass(frozen=True)
 class RangeCopy:
-    """Committed rows ``[lo, hi)`` of the head (class ids) and their momentum, on the host."""
+    """Committed rows ``[lo, hi)`` of a row-sharded table, on the host: one or more tensors of ``hi − lo`` rows
+    each (the head: its rows and their momentum), of one dtype."""
 
     lo: int
     hi: int
-    rows: torch.Tensor  # (hi - lo, k, D)
-    momentum: torch.Tensor  # (hi - lo, k, D)
+    tensors: tuple[torch.Tensor, ...]
 
     def block(self, start: int, stop: int) -> torch.Tensor:
-        """Rows and momentum of class ids ``[start, stop)`` (inside the range) as one ``(n, 2, k, D)`` tensor."""
-        return torch.stack([self.rows[start - self.lo:stop - self.lo],
-                            self.momentum[start - self.lo:stop - self.lo]], dim=1)
+        """Class ids ``[start, stop)`` (inside the range), every tensor's row flattened, side by side: ``(n, w)``."""
+        return torch.cat([t[start - self.lo:stop - self.lo].reshape(stop - start, _row_width([t]))
+                          for t in self.tensors], dim=1)
+
+
+def _unpack(block: torch.Tensor, targets: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """:meth:`RangeCopy.block`'s ``(n, w)`` back into one ``(n, ...)`` piece per target's row shape."""
+    widths = [int(np.prod(t.shape[1:], dtype=np.int64)) for t in targets]
+    return [part.reshape(block.shape[0], *t.shape[1:]) for part, t in zip(block.split(widths, dim=1), targets)]
+
+
+def _row_width(tensors: Sequence[torch.Tensor]) -> int:
+    """Numbers in one row of every tensor together."""
+    return sum(int(np.prod(t.shape[1:], dtype=np.int64)) for t in tensors)
 
 
 @dataclass(frozen=True)
@@ -90,7 +101,7 @@ def replica_shift(hosts: Sequence[int]) -> int:
 
 def _rows_per_block(row_numel: int, element_size: int) -> int:
     """Rows per all-to-all: the same on every rank (from the row's shape, never from a range's length)."""
-    return max(1, BLOCK_BYTES // max(1, 2 * row_numel * element_size))
+    return max(1, BLOCK_BYTES // max(1, row_numel * element_size))
 
 
 def exchange_replica(own: RangeCopy, ranges: Sequence[tuple[int, int]], *, collectives: Collectives,
@@ -107,10 +118,8 @@ def exchange_replica(own: RangeCopy, ranges: Sequence[tuple[int, int]], *, colle
         return None
     dest, src = (rank + shift) % world, (rank - shift) % world
     lo, hi = ranges[src]
-    tail = tuple(own.rows.shape[1:])
-    rows, momentum = torch.empty((hi - lo, *tail), dtype=own.rows.dtype), torch.empty((hi - lo, *tail),
-                                                                                      dtype=own.rows.dtype)
-    block = _rows_per_block(int(np.prod(tail)), own.rows.element_size())
+    received = [torch.empty((hi - lo, *t.shape[1:]), dtype=t.dtype) for t in own.tensors]
+    block = _rows_per_block(_row_width(own.tensors), own.tensors[0].element_size())
     for start in range(0, max(h - l for l, h in ranges), block):
         stop = min(own.lo + start + block, own.hi)
         send = own.block(own.lo + start, stop) if own.lo + start < stop else own.block(own.lo, own.lo)
@@ -120,9 +129,9 @@ def exchange_replica(own: RangeCopy, ranges: Sequence[tuple[int, int]], *, colle
         expected = max(0, min(block, hi - lo - start))
         if got.shape[0] != expected:
             raise RuntimeError(f"replica exchange: expected {expected} rows from rank {src}, got {got.shape[0]}")
-        rows[start:start + expected] = got[:, 0]
-        momentum[start:start + expected] = got[:, 1]
-    return RangeCopy(lo, hi, rows, momentum)
+        for target, part in zip(received, _unpack(got, received)):
+            target[start:start + expected] = part
+    return RangeCopy(lo, hi, tuple(received))
 
 
 def holder_row(step: int, world: int, copies: Sequence[RangeCopy]) -> np.ndarray:
@@ -180,8 +189,8 @@ def plan_segments(table: np.ndarray, num_classes: int) -> tuple[int, list[Segmen
 
 
 def assemble(copies: Sequence[RangeCopy], segments: Sequence[Segment], new_ranges: Sequence[tuple[int, int]],
-             rows: torch.Tensor, momentum: torch.Tensor, *, collectives: Collectives) -> None:
-    """Fill ``rows`` and ``momentum`` (this rank's new range) from the segments' holders, in blocks.
+             *targets: torch.Tensor, collectives: Collectives) -> None:
+    """Fill ``targets`` (this rank's new range of each of the table's tensors) from the segments' holders.
 
     A collective: every rank calls it with the same ``segments`` and
     ``new_ranges``. Per all-to-all the segment's source sends one block of
@@ -190,8 +199,7 @@ def assemble(copies: Sequence[RangeCopy], segments: Sequence[Segment], new_range
     """
     world, rank = collectives.size, collectives.rank
     lo, hi = new_ranges[rank]
-    tail = tuple(rows.shape[1:])
-    block = _rows_per_block(int(np.prod(tail)), rows.element_size())
+    block = _rows_per_block(_row_width(targets), targets[0].element_size())
     for segment in segments:
         for start in range(segment.lo, segment.hi, block):
             stop = min(start + block, segment.hi)
@@ -200,12 +208,12 @@ def assemble(copies: Sequence[RangeCopy], segments: Sequence[Segment], new_range
                 source = next(c for c in copies if c.lo <= start and stop <= c.hi)
                 send = source.block(start, stop)
             else:
-                send, splits = torch.empty((0, 2, *tail), dtype=rows.dtype), [0] * world
+                send, splits = torch.empty((0, _row_width(targets)), dtype=targets[0].dtype), [0] * world
             got = collectives.alltoall(send.contiguous(), splits).cpu()
             first, last = max(start, lo), min(stop, hi)
             if got.shape[0] != max(0, last - first):
-                raise RuntimeError(f"head assembly: expected {max(0, last - first)} rows of [{start}, {stop}) from "
+                raise RuntimeError(f"assembly: expected {max(0, last - first)} rows of [{start}, {stop}) from "
                                    f"rank {segment.source}, got {got.shape[0]}")
             if got.shape[0]:
-                rows[first - lo:last - lo] = got[:, 0].to(rows.device)
-                momentum[first - lo:last - lo] = got[:, 1].to(momentum.device)
+                for target, part in zip(targets, _unpack(got, targets)):
+                    target[first - lo:last - lo] = part.to(target.device)

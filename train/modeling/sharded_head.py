@@ -25,7 +25,9 @@ through the embeddings' all-gather like the pair loss's.
 The head's rows are not ``nn.Parameter``\\ s: no data-parallel wrapper may
 average them (each rank owns different rows) and no dense C/W-sized gradient
 exists. A step leaves the gradient of its sampled rows in :attr:`pending`;
-:class:`pksampler.train.solver.sparse_rows.SparseRowSGD` applies it.
+:class:`pksampler.train.solver.sparse_rows.SparseRowSGD` steps them through
+:meth:`ShardedMarginHead.apply_update`. The host-memory plan is
+:mod:`~pksampler.train.modeling.head_memory`'s.
 """
 
 from __future__ import annotations
@@ -37,20 +39,20 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from pksampler.agree import gather_outcomes
 from pksampler.comm import Collectives, sum_gradient, sum_over_ranks
 from pksampler.hashing import splitmix64
 from pksampler.samplers import rank_share
 from pksampler.world import World
 from pksampler.train.config.schema import MAX_HEAD_SCALE
-from pksampler.train.errors import ConfigError
+from pksampler.train.modeling.head_memory import GATHER_BLOCK_BYTES
+from pksampler.train.modeling.head_replicas import RangeCopy
+from pksampler.train.modeling.lazy_decay import LazyDecay
 
 __all__ = ["HEADS", "INIT_STD", "ShardedMarginHead", "derived_scale", "sampled", "shard_range"]
 
 #: ``head.name`` choices
 HEADS = ("arcface", "cosface", "softmax")
 _INIT_BLOCK = 4096  # classes per initialisation block (a fixed grid, independent of the world size)
-_GATHER_BLOCK_BYTES = 64 << 20  # bytes one collective of a checkpoint's gather brings to each rank
 
 
 #: the rows' initial standard deviation per coordinate (insightface Partial FC: N(0, 0.01)), so ‖w‖ ≈ 0.01·√D; the
@@ -78,79 +80,6 @@ def check_scale(scale: float) -> None:
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0.0 < scale <= MAX_HEAD_SCALE:
         raise ValueError(f"head.scale: must be in (0, {MAX_HEAD_SCALE:g}], got {scale!r} (the softmax "
                          "offsets logits by the scale in fp64; beyond the bound a row underflows to log(0))")
-
-
-def head_memory(num_classes: int, dim: int, subcentres: int, world: int) -> dict[str, int]:
-    """Bytes one rank holds for the head: its rows and their momentum (fp32, ⌈C/W⌉·k·D each), the row clock
-    (8 bytes a row) and, at a checkpoint, rank 0 the whole head's rows and momentum (``checkpoint``), the
-    others one gathered block at a time (``checkpoint_block``, :meth:`ShardedMarginHead.gather_rows`). Under
-    Horovod elastic each rank also keeps its committed range and one replica, rows and momentum, and holds the
-    previous commit's until a new one is complete (``elastic_commit``: 8 shares at that peak)."""
-    share = -(-num_classes // max(world, 1)) * subcentres * dim * 4
-    whole = num_classes * subcentres * dim * 4
-    return {"rows": share, "momentum": share, "clock": -(-num_classes // max(world, 1)) * 8,
-            "checkpoint": 2 * whole, "checkpoint_block": min(2 * whole, _GATHER_BLOCK_BYTES),
-            "elastic_commit": 8 * share}
-
-
-def available_host_bytes() -> int | None:
-    """Memory this process may still take: MemAvailable, capped by a cgroup limit (v2 or v1); None if unknown."""
-    found: list[int] = []
-    try:
-        with open("/proc/meminfo", encoding="ascii") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    for path, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(path, encoding="ascii") as limit, open(usage, encoding="ascii") as used:
-                text = limit.read().strip()
-                if text != "max" and int(text) < 1 << 60:
-                    found.append(int(text) - int(used.read().strip()))
-        except (OSError, ValueError):
-            continue
-    return min(found) if found else None
-
-
-def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int, local_ranks: int = 1,
-                      available: int | None = None, elastic: bool = False,
-                      collectives: Collectives | None = None) -> None:
-    """Refuse, in one line naming ``head.*`` and C, a head that the host's memory cannot hold.
-
-    The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, rank 0's copy of the whole
-    head (counted on every host: any host may hold rank 0) and the others' blocks; under Horovod elastic
-    (``elastic``) every rank's committed copies too; ``available`` defaults to :func:`available_host_bytes`
-    (skipped when unknown). With ``collectives``, the ranks exchange their need and their host's free memory
-    first, so every rank raises the same error naming the worst rank (one host short of memory would otherwise
-    stop only its own ranks, and the others would fail later in a collective).
-    """
-    available = available_host_bytes() if available is None else available
-    need = head_memory(num_classes, dim, subcentres, world)
-    steady = need["rows"] + need["momentum"] + need["clock"] + (need["elastic_commit"] if elastic else 0)
-    total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
-    where = "on this host"
-    if collectives is not None and collectives.size > 1:
-        rows = gather_outcomes(collectives, None, [total, -1 if available is None else available]).values
-        short = [(int(a) - int(t), rank) for rank, (t, a) in enumerate(rows) if a >= 0 and t > a]
-        if not short:
-            return
-        rank = min(short)[1]  # the rank whose host lacks the most
-        total, available = int(rows[rank, 0]), int(rows[rank, 1])
-        where = f"on rank {rank}'s host"
-    if available is None:
-        return
-    if total > available:
-        gib, copies = 1 << 30, " and Horovod elastic's committed copies" if elastic else ""
-        raise ConfigError(
-            f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
-            f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB {where} ({local_ranks} rank(s) × "
-            f"{steady / gib:.2f} GiB of rows and momentum{copies} at W={world}, plus "
-            f"{need['checkpoint'] / gib:.2f} GiB for rank 0's checkpoint copy), but {available / gib:.2f} GiB are "
-            "available: use fewer classes, a "
-            "smaller model.embedding_dim or head.subcentres, or hosts with more memory")
 
 
 def shard_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
@@ -189,34 +118,41 @@ class ShardedMarginHead(torch.nn.Module):
             grows linearly to ``margin`` over ``margin_ramp_steps`` (insightface #214: softmax first, then the
             margin, when the margin head does not converge from scratch).
         seed: keys the initial rows and the negative draw.
-        agree_memory: check the host memory with one collective, so a host short of it stops every rank with the
-            same error (set by the trainer, where every rank builds its head at once).
+        world: the rank's :class:`~pksampler.world.World` (its range, and the gradient scale the trainer's loss
+            carries); None: the collectives' rank and size, scale 1.
+        loss_weight: what the caller multiplies this head's loss by (``head.weight``): divided out of the rows'
+            gradient, so the weight balances the losses in the network's gradient only and the rows learn at
+            their own rate.
+
+    The head owns its whole state: the rows and their momentum (buffers, this rank's range), the global step, the
+    lazy weight decay's log (:class:`~pksampler.train.modeling.lazy_decay.LazyDecay`) and the gradient scale
+    of the world it is in. An optimizer steps it through one method, :meth:`apply_update`, with an update rule
+    (:func:`pksampler.train.solver.sparse_rows.momentum_sgd`); nothing else writes its fields.
     """
 
     def __init__(self, num_classes: int, dim: int, collectives: Collectives, *, name: str = "arcface",
                  scale: float | None = 30.0, margin: float = 0.3, negatives: int = 8192, subcentres: int = 1,
-                 softmax_steps: int = 0, margin_ramp_steps: int = 0, seed: int = 0, local_ranks: int = 1,
-                 elastic: bool = False, agree_memory: bool = False) -> None:
+                 softmax_steps: int = 0, margin_ramp_steps: int = 0, seed: int = 0, world: World | None = None,
+                 loss_weight: float = 1.0) -> None:
         super().__init__()
         if name not in HEADS:
             raise ValueError(f"head.name must be one of {list(HEADS)}, got {name!r}")
         scale = derived_scale(num_classes) if scale is None else scale
         check_scale(scale)
-        # agree_memory: every rank runs this together (the static trainer), so the memory check is one collective;
-        # never under Horovod elastic, where a joiner builds its head before it meets the survivors
-        check_head_memory(num_classes, dim, subcentres, world=collectives.size, local_ranks=local_ranks,
-                          elastic=elastic, collectives=collectives if agree_memory and not elastic else None)
         self.name, self.scale, self.margin, self.negatives, self.subcentres = name, float(scale), margin, negatives, subcentres
         self.softmax_steps, self.margin_ramp_steps = softmax_steps, margin_ramp_steps
         self.num_classes, self.dim, self.collectives, self.seed = num_classes, dim, collectives, seed
-        self.lo, self.hi = shard_range(num_classes, collectives.size, collectives.rank)
+        self.loss_weight = loss_weight
+        world = world if world is not None else World(rank=collectives.rank, size=collectives.size)
+        self.lo, self.hi = shard_range(num_classes, world.size, world.rank)
+        self.gradient_scale = world.loss_scale  # the factor the trainer's loss carries into backward (Horovod: W)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
+        self.register_buffer("momentum", torch.zeros_like(self.rows), persistent=False)
+        self.decay = LazyDecay(self.hi - self.lo)
         self.step = 0  # global steps taken: keys the negative draw and the margin's ramp
         # the last step's margin and its loss without the margin (diagnostics for the step record)
         self.last_margin, self.last_softmax_loss = 0.0, torch.zeros(())
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None  # (row ids, sampled rows with .grad)
-        # called with the sampled row ids before they are read (the optimizer applies their pending weight decay)
-        self.before_read: Callable[[torch.Tensor], None] | None = None
 
     def initial_rows(self) -> torch.Tensor:
         """Rows keyed by class id, so the head starts the same at every world size: N(0, INIT_STD²) each coordinate.
@@ -268,8 +204,7 @@ class ShardedMarginHead(torch.nn.Module):
         """The margin softmax cross-entropy of the (gathered) batch over the sampled classes; same on every rank."""
         self.last_margin = self.margin_now()  # this step's (read by _target_cosine and the step record)
         chosen = self.selection(labels)
-        if self.before_read is not None:
-            self.before_read(chosen)
+        self._settle(chosen)  # the gradient of a normalised row depends on its length: read it decayed
         sampled_rows = self.rows[chosen].detach().requires_grad_(True)
         self.pending = (chosen, sampled_rows)
         features = F.normalize(sum_gradient(embeddings.float(), self.collectives), dim=1)
@@ -309,7 +244,7 @@ class ShardedMarginHead(torch.nn.Module):
         """Every rank's rows of ``local`` (this rank's ``(rows, ...)`` tensor) in class order, on the host.
 
         By default only rank 0 receives them (None elsewhere), gathered in blocks of about
-        ``_GATHER_BLOCK_BYTES`` per collective, so the other ranks hold one block at a time, not the whole head
+        ``GATHER_BLOCK_BYTES`` per collective, so the other ranks hold one block at a time, not the whole head
         (at 10⁷ × 128 classes that is 9.5 GiB per rank less at a checkpoint). ``everywhere``: one all-gather,
         every rank receives the whole head.
         """
@@ -320,7 +255,7 @@ class ShardedMarginHead(torch.nn.Module):
         world, rank = self.collectives.size, self.collectives.rank
         ranges = [shard_range(self.num_classes, world, r) for r in range(world)]
         row_bytes = max(1, local[:1].numel() * local.element_size())
-        block = max(1, _GATHER_BLOCK_BYTES // (world * row_bytes))
+        block = max(1, GATHER_BLOCK_BYTES // (world * row_bytes))
         longest = max(hi - lo for lo, hi in ranges)
         out = torch.empty((self.num_classes, *local.shape[1:]), dtype=local.dtype) if rank == 0 else None
         for start in range(0, longest, block):
@@ -336,27 +271,106 @@ class ShardedMarginHead(torch.nn.Module):
             del gathered
         return out
 
-    def state_dict_rows(self, *, everywhere: bool = False) -> dict[str, Any]:
-        """The whole head's rows by class id (rank 0 only unless ``everywhere``; see :meth:`gather_rows`)."""
-        return {"rows": self.gather_rows(self.rows, everywhere=everywhere), "step": self.step,
-                "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim}
+    # --- the row update (an optimizer calls this one method) -----------------------------------------------
+    def _settle(self, chosen: torch.Tensor) -> None:
+        """Apply the pending weight decay of rows ``chosen`` (before a step reads them)."""
+        factor = self.decay.take(chosen.cpu())
+        self.rows[chosen] *= factor.to(device=self.rows.device, dtype=self.rows.dtype)[:, None, None]
 
-    def load_state_dict_rows(self, saved: dict[str, Any]) -> None:
+    def settle(self) -> None:
+        """Apply every row's pending weight decay (then the rows are the eager optimizer's)."""
+        self.rows.mul_(self.decay.take().to(device=self.rows.device, dtype=self.rows.dtype)[:, None, None])
+
+    def apply_update(self, update: Callable[..., tuple[torch.Tensor, torch.Tensor]], *, lr: float,
+                     weight_decay: float = 0.0, grad_scale: float = 1.0, skipped: bool = False) -> None:
+        """Step the rows the last forward sampled: ``update(rows, momentum, grad, lr=lr)`` gives their new rows
+        and momentum (:func:`pksampler.train.solver.sparse_rows.momentum_sgd`), after the step's decoupled
+        decay ``1 − lr·weight_decay``; every other row owes that decay until it is read (:class:`LazyDecay`).
+
+        The gradient is divided by the world's gradient scale, ``grad_scale`` (the GradScaler's factor, fp16;
+        1 without one) and :attr:`loss_weight`. ``skipped`` (the GradScaler found an overflow in the reduced dense
+        gradients, the same decision on every rank): no update and no decay; the step still counts."""
+        pending, self.pending = self.pending, None
+        grad = None
+        if skipped:
+            lr = 0.0
+        elif pending is not None and pending[1].grad is not None:
+            grad = pending[1].grad / (self.gradient_scale * grad_scale * self.loss_weight)
+        self.decay.record(lr * weight_decay)
+        self.step += 1
+        if grad is None:
+            return
+        chosen = pending[0]
+        factor = self.decay.take(chosen.cpu()).to(device=self.rows.device, dtype=self.rows.dtype)
+        rows, momentum = update(self.rows[chosen] * factor[:, None, None], self.momentum[chosen], grad, lr=lr)
+        self.momentum[chosen] = momentum
+        self.rows[chosen] = rows
+
+    # --- state: the whole head keyed by class id (checkpoints), or this rank's range (Horovod elastic) ------
+    def whole_state(self, *, everywhere: bool = False) -> dict[str, Any]:
+        """Rows and momentum of the whole head, keyed by class id, decay settled (a collective: every rank calls
+        it). Gathered to rank 0 in blocks (``rows`` and ``momentum`` are None on the others), or to every rank
+        with ``everywhere`` (one all-gather; see :meth:`gather_rows`)."""
+        self.settle()
+        return {"rows": self.gather_rows(self.rows, everywhere=everywhere),
+                "momentum": self.gather_rows(self.momentum, everywhere=everywhere), "step": self.step,
+                "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim,
+                "log_decay": self.decay.log.clone(), "momentum_of_own_loss": True}
+
+    def load_whole(self, saved: dict[str, Any]) -> None:
+        """:meth:`whole_state`'s head, this rank's range of it. A head saved before the rows stepped on their
+        own loss (no ``momentum_of_own_loss``) holds momentum of ``head.weight`` × that loss: divided back, so
+        it continues in the units of the rule now in force."""
         shape = (self.num_classes, self.subcentres, self.dim)
         rows = saved["rows"]
         if tuple(rows.shape) != shape:
             raise ValueError(f"the checkpoint's head has rows of shape {tuple(rows.shape)}, this run's {shape} "
                              "(head.subcentres, model.embedding_dim and the classes must match)")
         self.rows.copy_(rows[self.lo:self.hi])
+        momentum = saved["momentum"][self.lo:self.hi]
+        self.momentum.copy_(momentum if saved.get("momentum_of_own_loss") else momentum / self.loss_weight)
         self.step = int(saved["step"])
+        self.decay.load(saved["log_decay"])
+
+    def range_state(self) -> tuple[dict[str, Any], RangeCopy]:
+        """Horovod elastic's commit of this rank (no collective): the head's state but its rows and momentum
+        (``meta``, the same on every rank), and a host copy of this rank's rows and momentum, decay settled."""
+        self.settle()
+        meta = {"step": self.step, "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim,
+                "log_decay": self.decay.log.clone()}
+        return meta, RangeCopy(self.lo, self.hi, (self.rows.detach().to("cpu", copy=True),
+                                                  self.momentum.detach().to("cpu", copy=True)))
+
+    def load_range(self, meta: dict[str, Any], fill: Callable[..., None]) -> None:
+        """This rank's range written by ``fill(rows, momentum)`` (an assembly), then :meth:`range_state`'s
+        ``meta`` (every row settled)."""
+        fill(self.rows, self.momentum)
+        self.step = int(meta["step"])
+        self.decay.load(meta["log_decay"])
+
+    def set_rows(self, local: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows ``local`` (indices into this rank's range) become ``values`` (a continued run's kept and imprinted
+        rows, ``train.init_from``); their momentum is left as it is."""
+        self.rows[local.to(self.rows.device)] = values.to(self.rows)
+
+    def load_initial(self) -> None:
+        """The initial rows of this rank's range (a new world before any step was committed)."""
+        if self.decay.steps != 0:
+            raise RuntimeError(f"the sharded head took {self.decay.steps} steps but has no committed copy to "
+                               "re-shard from")
+        self.rows.copy_(self.initial_rows())
 
     def set_world(self, world: World) -> None:
-        """Take this rank's range in ``world`` (after a Horovod elastic reset: the world protocol).
+        """Take this rank's range in ``world`` and its gradient scale (a Horovod elastic reset: the world protocol).
 
-        The rows are zero until a whole-head state is loaded (:meth:`load_state_dict_rows`) or assembled.
+        Rows and momentum are zero until a whole head is loaded (:meth:`load_whole`), a range assembled
+        (:meth:`load_range`) or the initial rows taken (:meth:`load_initial`).
         """
         self.lo, self.hi = shard_range(self.num_classes, world.size, world.rank)
+        self.gradient_scale = world.loss_scale
         self.rows = torch.zeros(self.hi - self.lo, self.subcentres, self.dim, device=self.rows.device)
+        self.momentum = torch.zeros_like(self.rows)
+        self.decay.resize(self.hi - self.lo)
         self.pending = None
 
     def memory_bytes(self) -> int:

@@ -21,6 +21,7 @@ by W, not by sample counts, so the scale stays W (Horovod) or 1 (torch).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import re
@@ -74,8 +75,9 @@ class Backend(comm.ProcessCollectives):
     # --- the world: one value, replaced whole at a membership change ---------------------
     @property
     def world(self) -> World:
-        """This process's :class:`~pksampler.world.World` (rank, size, local rank)."""
-        return self._world
+        """This process's :class:`~pksampler.world.World` (rank, size, local rank), with the loss scale of this
+        backend's gathered batch (:attr:`gathered_loss_scale`), which a part's gradient divides out."""
+        return dataclasses.replace(self._world, loss_scale=self.gathered_loss_scale)
 
     def set_world(self, world: World) -> None:
         """The world after a membership change (a Horovod elastic reset); rank, size and the loss scale follow.
@@ -106,7 +108,7 @@ class Backend(comm.ProcessCollectives):
     @property
     def gathered_loss_scale(self) -> float:
         """What the loss of an all-gathered batch is multiplied by: the world size under Horovod, else 1."""
-        return float(self.size) if self.scales_gathered_loss else 1.0
+        return float(self._world.size) if self.scales_gathered_loss else 1.0
 
     @property
     def device(self) -> torch.device:

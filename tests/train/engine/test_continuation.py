@@ -109,7 +109,7 @@ def test_a_continued_run_keeps_rows_by_name_imprints_new_ones_and_says_so(tmp_pa
         for code, name in enumerate(today):
             if name in names:  # kept: the saved row of the same name, whatever its code was
                 assert torch.equal(head.rows[code], saved["loss"]["head"]["rows"][names.index(name)])
-        assert not parts.loss_fn.row_optimizer.buffer.any()  # momentum reset
+        assert not parts.loss_fn.head.momentum.any()  # momentum reset
         data_train = parts.train_set
         trained = {names[c] for c in saved["classes"]["trained"].tolist()}
         known = torch.tensor([name in trained for name in today])  # kept rows that were positives in week 1

@@ -178,12 +178,15 @@ def test_the_loop_calls_hooks_in_order_and_puts_every_step_in_the_storage():
     assert trainer.parts.train_set.epochs == [0, 1] and int(trainer.parts.loss_fn.steps) == 6
 
 
-def test_hooks_registered_first_run_before_the_others_in_their_own_order():
-    a, b, c, d = Recorder(), Recorder(), Recorder(), Recorder()
+def test_hooks_run_in_registration_order_and_the_shares_they_own_join_the_shared_parts():
+    a, b, c = Recorder(), Recorder(), Recorder()
+    table = object()
+    b.shares = lambda: (table,)  # a hook that keeps a sharded table of its own
     trainer = make_trainer([a])
-    trainer.register([b, c], first=True)
-    trainer.register([d])
-    assert trainer.hooks == [b, c, a, d] and all(hook.trainer is trainer for hook in (a, b, c, d))
+    before = tuple(trainer.parts.shared)
+    trainer.register([b, c])
+    assert trainer.hooks == [a, b, c] and all(hook.trainer is trainer for hook in (a, b, c))
+    assert tuple(trainer.parts.shared) == (*before, table)  # Trainer.set_world and Horovod elastic carry it
 
 
 def test_a_rank_0_hook_is_built_and_called_only_while_its_process_is_rank_0():

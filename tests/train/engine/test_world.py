@@ -22,7 +22,7 @@ from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.losses.headed import HeadedLoss
-from pksampler.train.solver.sparse_rows import SparseRowSGD
+from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.world import World
 
 LABELS = np.repeat(np.arange(48), 5)
@@ -38,6 +38,8 @@ def _sampler(size: int, rank: int) -> DistributedBalancedBatchSampler:
     ({"size": 0}, r"World\(size=\) expects a positive int, got 0"),
     ({"local_rank": -1}, r"World\(local_rank=\) expects an int >= 0, got -1"),
     ({"local_size": 0}, r"World\(local_size=\) expects a positive int, got 0"),
+    ({"loss_scale": 0.0}, r"World\(loss_scale=\) expects a finite number > 0, got 0.0"),
+    ({"loss_scale": True}, r"World\(loss_scale=\) expects a finite number > 0, got True"),
 ])
 def test_a_bad_world_is_refused_naming_the_argument_the_value_and_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -80,6 +82,8 @@ def test_the_backend_reads_rank_size_and_loss_scale_from_its_world():
         backend.set_world(World(rank=2, size=3, local_rank=0))
         assert (backend.rank, backend.size, backend.local_rank) == (2, 3, 0)
     assert plain.gathered_loss_scale == 1.0 and scaling.gathered_loss_scale == 3.0
+    # the world the backend hands to the shared parts carries its scale (a part divides it out of its gradient)
+    assert plain.world.loss_scale == 1.0 and scaling.world == World(rank=2, size=3, loss_scale=3.0)
     with pytest.raises(AttributeError):
         plain.rank = 0  # nothing writes another object's rank
     with pytest.raises(TypeError, match=r"Backend.set_world\(world=\) expects a pksampler.world.World, got tuple"):
@@ -138,13 +142,15 @@ def test_trainer_set_world_moves_every_part_that_owns_a_share_then_tells_the_hoo
 def test_the_heads_loss_takes_its_range_in_a_new_world_and_its_initial_rows_before_a_commit():
     classes, dim, spec = 20, 4, {"name": "cosface", "negatives": 8}
     head = ShardedMarginHead(classes, dim, SimpleNamespace(rank=2, size=3), **spec, seed=1)
-    loss = HeadedLoss(torch.nn.Identity(), head, SparseRowSGD(head, momentum=0.9), weight=1.0)
-    loss.set_world(World(rank=1, size=2))
+    loss = HeadedLoss(torch.nn.Identity(), head, neck=BNNeck(dim, grad_divisor=3.0))
+    assert head.gradient_scale == 1.0
+    loss.set_world(World(rank=1, size=2, loss_scale=2.0))  # the backend's world carries its loss scale
     assert (head.lo, head.hi) == shard_range(classes, 2, 1) and not head.rows.any()
-    assert loss.row_optimizer.buffer.shape == head.rows.shape
-    loss.load_initial(grad_divisor=2.0)
+    assert head.momentum.shape == head.rows.shape and head.decay.moved_at.shape == (head.hi - head.lo,)
+    assert head.gradient_scale == 2.0 and loss.neck.grad_divisor == 2.0  # each part takes it from the world
+    loss.load_initial()
     fresh = ShardedMarginHead(classes, dim, SimpleNamespace(rank=1, size=2), **spec, seed=1)
-    assert torch.equal(head.rows, fresh.rows) and loss.row_optimizer.grad_divisor == 2.0
+    assert torch.equal(head.rows, fresh.rows)
 
 
 def test_the_run_mode_is_chosen_once_from_the_launch(monkeypatch):

@@ -9,7 +9,8 @@ from torch.nn import functional as F
 
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
-from pksampler.train.modeling.sharded_head import ShardedMarginHead, available_host_bytes, head_memory
+from pksampler.train.modeling.head_memory import available_host_bytes, check_head_memory, head_memory
+from pksampler.train.modeling.sharded_head import ShardedMarginHead
 
 
 class OneRank:
@@ -31,8 +32,9 @@ def test_a_head_larger_than_the_hosts_memory_is_one_line_naming_head_and_c():
     with pytest.raises(ConfigError, match=r"^head\.name: a sharded head of C=1,000,000,000 classes × "
                                           r"head\.subcentres=1 × model\.embedding_dim=128 needs about \d+\.\d+ GiB on "
                                           r"this host .* but \d+\.\d+ GiB are available") as caught:
-        ShardedMarginHead(10**9, 128, OneRank())
+        check_head_memory(10**9, 128, 1, world=1)  # planned before the head is built (run_setup)
     assert "\n" not in str(caught.value)
+    check_head_memory(1000, 16, 1, world=1)
     small = ShardedMarginHead(1000, 16, OneRank())  # a head that fits is built
     assert small.rows.shape == (1000, 1, 16)
     assert head_memory(10**7, 128, 1, 16)["rows"] == -(-10**7 // 16) * 128 * 4
@@ -67,7 +69,7 @@ def test_a_checkpoint_gathers_the_head_to_rank_0_alone_in_blocks(monkeypatch):
     from pksampler.train.solver.sparse_rows import SparseRowSGD
 
     row_bytes = D * 4
-    monkeypatch.setattr(sharded_head, "_GATHER_BLOCK_BYTES", 3 * 5 * row_bytes)  # 5 rows a rank per collective
+    monkeypatch.setattr(sharded_head, "GATHER_BLOCK_BYTES", 3 * 5 * row_bytes)  # 5 rows a rank per collective
     tracked: list[int] = []
 
     class Counting(Member):
@@ -85,9 +87,9 @@ def test_a_checkpoint_gathers_the_head_to_rank_0_alone_in_blocks(monkeypatch):
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
         head_steps(head, rows, range(3))
         counting.track = True
-        saved = rows.state_dict()
+        saved = head.whole_state()
         counting.track = False
-        return saved, rows.state_dict(everywhere=True)
+        return saved, head.whole_state(everywhere=True)
 
     results = run_ranks(3, work)  # 50 classes over 3 ranks: 17, 17, 16 rows
     (root, whole), *others = results
@@ -107,7 +109,6 @@ def test_a_host_short_of_memory_for_the_head_stops_every_rank_with_the_same_erro
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from test_sharded_head import ThreadGroup
 
-    from pksampler.train.modeling.sharded_head import check_head_memory
 
     need = head_memory(10**6, 128, 1, 3)
     roomy = 100 * (need["checkpoint"] + need["rows"] + need["momentum"] + need["clock"])

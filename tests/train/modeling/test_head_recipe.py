@@ -84,9 +84,8 @@ def test_a_step_turns_a_small_row_much_further_than_a_unit_row():
 def test_from_config_gives_the_rows_their_own_sgd_scaled_with_the_global_batch():
     config = load_config(None, ["head.name=cosface", "head.lr=0.2", "head.momentum=0.8", "head.weight_decay=0.001",
                                 "optim.base_batch=64", "head.softmax_steps=5", "head.margin_ramp_steps=7"], environ={})
-    loss = HeadedLoss.from_config(config, Member(ThreadGroup(1), 0), torch.nn.Identity(), num_classes=C,
-                                  global_batch=128, row_optimizer=SparseRowSGD)
-    rows = loss.row_optimizer
+    loss = HeadedLoss.from_config(config, Member(ThreadGroup(1), 0), torch.nn.Identity(), num_classes=C)
+    rows = SparseRowSGD.from_config(config, loss.head, global_batch=128)
     assert rows.lr == pytest.approx(0.4) and rows.momentum == 0.8 and rows.weight_decay == 0.001
     assert loss.head.softmax_steps == 5 and loss.head.margin_ramp_steps == 7
     assert loss.neck is not None  # the BNNeck is on by default with a head
@@ -103,11 +102,12 @@ def test_the_rows_step_on_the_heads_own_loss_whatever_its_weight():
         config = load_config(None, ["head.name=arcface", f"head.weight={weight}", "head.bnneck=false",
                                     f"model.embedding_dim={D}"], environ={})
         loss = HeadedLoss.from_config(config, Member(ThreadGroup(1), 0), lambda e, y: (e * 0).sum(),
-                                      num_classes=C, global_batch=64, row_optimizer=SparseRowSGD)
-        assert loss.row_optimizer.loss_weight == weight
+                                      num_classes=C)
+        assert loss.head.loss_weight == loss.weight == weight
+        rows = SparseRowSGD.from_config(config, loss.head, global_batch=64)
         start = loss.head.rows.clone()
         loss(embeddings.clone().requires_grad_(), labels).backward()
-        loss.row_optimizer.step(0.05)
+        rows.step(0.05)
         assert (loss.head.rows - start).abs().max() > 1e-3  # the step moved them
         return loss.head.rows.clone()
 
@@ -120,14 +120,14 @@ def test_a_head_saved_under_the_weighted_rule_continues_with_its_momentum_in_the
     old = SparseRowSGD(head, lr=0.1, momentum=0.9)  # before: the rows stepped on head.weight (0.1) x the loss
     (0.1 * head(embeddings, labels)).backward()
     old.step(0.05)
-    saved = old.state_dict()
+    saved = head.whole_state()
     assert saved.pop("momentum_of_own_loss") is True
-    fresh = ShardedMarginHead(C, D, Member(ThreadGroup(1), 0), name="arcface", negatives=10 * C, seed=2)
-    new = SparseRowSGD(fresh, lr=0.1, momentum=0.9, loss_weight=0.1)
-    new.load_state_dict(saved)
-    torch.testing.assert_close(new.buffer, old.buffer / 0.1)
-    new.load_state_dict({**saved, "momentum_of_own_loss": True})  # written by this rule: taken as it is
-    torch.testing.assert_close(new.buffer, old.buffer)
+    fresh = ShardedMarginHead(C, D, Member(ThreadGroup(1), 0), name="arcface", negatives=10 * C, seed=2,
+                              loss_weight=0.1)
+    fresh.load_whole(saved)
+    torch.testing.assert_close(fresh.momentum, head.momentum / 0.1)
+    fresh.load_whole({**saved, "momentum_of_own_loss": True})  # written by this rule: taken as it is
+    torch.testing.assert_close(fresh.momentum, head.momentum)
 
 
 def test_a_head_brings_a_bias_free_projection_and_a_bnneck_unless_set():
@@ -238,8 +238,8 @@ def test_a_row_step_the_grad_scaler_skipped_moves_no_row_and_decays_none_on_any_
         before = head.rows.clone()
         (head(embeddings, labels) * float("inf")).backward()
         optimizer.scheduled_step(1.0, grad_scale=2.0 ** 16, skipped=True)
-        optimizer.settle()
-        return bool(torch.equal(head.rows, before)), head.step, float(optimizer.log_decay[-1])
+        head.settle()
+        return bool(torch.equal(head.rows, before)), head.step, float(head.decay.log[-1])
     assert run_ranks(2, work) == [(True, 1, 0.0), (True, 1, 0.0)]
 
 
@@ -265,7 +265,7 @@ def test_each_step_record_carries_the_heads_loss_its_margin_free_loss_and_the_ma
 
 def test_a_softmax_head_records_no_margin_whatever_head_margin_says():
     head = ShardedMarginHead(C, D, Member(ThreadGroup(1), 0), name="softmax", margin=0.3, negatives=10 * C)
-    loss = HeadedLoss(None, head, None, weight=1.0, pair_weight=0)
+    loss = HeadedLoss(None, head, pair_weight=0)
     loss(*inputs())
     scalars = loss.step_scalars()
     assert scalars["head_margin"] == 0.0  # head.margin's default (0.3) is not applied by the plain softmax

@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_sharded_head import C, D, TRACE_SPEC, Member, ThreadGroup, head_steps  # noqa: E402
 
-from pksampler.train.engine.elastic import HeadHandler  # noqa: E402
+from pksampler.train.engine.elastic import ShardHandler, Shared  # noqa: E402
 from pksampler.train.modeling import head_replicas  # noqa: E402
 from pksampler.train.modeling.head_replicas import HeadRowsLost, replica_shift  # noqa: E402
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
@@ -71,8 +71,8 @@ def _member(group: Rank, hosts: list[int]):
     """A rank's head, row optimizer and elastic handler (a real HeadedLoss with an empty pair loss)."""
     head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
-    loss = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0)
-    return head, rows, HeadHandler(loss, grad_divisor=lambda: 1.0, host=lambda: hosts[head.collectives.rank])
+    loss = HeadedLoss(torch.nn.Identity(), head)
+    return head, rows, ShardHandler(Shared(loss), collectives=group, host=lambda: hosts[head.collectives.rank])
 
 
 def test_the_replica_goes_to_another_host():
@@ -106,14 +106,14 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
         own, replica = handler.copies
         assert (own.lo, own.hi) == shard_range(C, 4, rank)
         assert (replica.lo, replica.hi) == shard_range(C, 4, (rank - 2) % 4)  # rank r's replica: the other host
-        assert own.rows.shape == own.momentum.shape == (own.hi - own.lo, 1, D)
-        assert replica.rows.shape[0] + own.rows.shape[0] <= 2 * -(-C // 4) < C
+        assert own.tensors[0].shape == own.tensors[1].shape == (own.hi - own.lo, 1, D)  # rows, momentum
+        assert replica.tensors[0].shape[0] + own.tensors[0].shape[0] <= 2 * -(-C // 4) < C
     survivors = ranks[:2]  # host 1 left
 
     def second(group):
         _, head, rows, handler = survivors[group.rank]
-        head.collectives = group
-        handler.value.set_world(World(rank=group.rank, size=group.size))  # the trainer's set_world at a reset
+        head.collectives = handler.collectives = group  # the backend changes world in place at a reset
+        handler.value.part.set_world(World(rank=group.rank, size=group.size))  # the trainer's set_world at a reset
         handler.on_reset()  # the reset callback; the body assembles (no sync: hosts only left)
         handler.ensure_current()
         assert (head.lo, head.hi) == shard_range(C, 2, group.rank)
@@ -129,8 +129,8 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
             head, rows, handler = _member(group, [0, 0, 1])
         else:
             _, head, rows, handler = then[group.rank]
-            head.collectives = group
-            handler.value.set_world(World(rank=group.rank, size=group.size))
+            head.collectives = handler.collectives = group  # the backend changes world in place at a reset
+            handler.value.part.set_world(World(rank=group.rank, size=group.size))
             handler.on_reset()
         handler.sync()
         return head_steps(head, rows, range(5, 7))
@@ -159,8 +159,8 @@ def test_a_range_held_by_no_rank_raises_on_every_rank():
 
     def second(group):
         head, handler = survivors[group.rank]
-        head.collectives = group
-        handler.value.set_world(World(rank=group.rank, size=group.size))
+        head.collectives = handler.collectives = group  # the backend changes world in place at a reset
+        handler.value.part.set_world(World(rank=group.rank, size=group.size))
         handler.on_reset()
         handler.ensure_current()
 
@@ -176,16 +176,16 @@ def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
 
     def before(group):
         head, rows, _ = _member(group, [0])
-        return head_steps(head, rows, range(2)), {"pair": {}, "head": rows.state_dict()}
+        return head_steps(head, rows, range(2)), {"pair": {}, "head": head.whole_state()}
 
     (losses, saved), = run_each(1, before)
 
     def resumed(group):
         head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
-        loss = HeadedLoss(torch.nn.Identity(), head, rows, weight=1.0)
-        handler = HeadHandler(loss, grad_divisor=lambda: 1.0, resumed=saved if group.rank == 0 else None,
-                              host=lambda: group.rank)
+        loss = HeadedLoss(torch.nn.Identity(), head)
+        handler = ShardHandler(Shared(loss), collectives=group, host=lambda: group.rank,
+                               resumed=loss.saved_copy(saved) if group.rank == 0 else None)
         handler.sync()
         return head_steps(head, rows, range(2, 4))
 
@@ -195,7 +195,7 @@ def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
 
 def test_the_memory_check_counts_the_committed_copies_under_horovod_elastic():
     from pksampler.train.errors import ConfigError
-    from pksampler.train.modeling.sharded_head import check_head_memory, head_memory
+    from pksampler.train.modeling.head_memory import check_head_memory, head_memory
 
     need = head_memory(10**6, 128, 1, 4)
     assert need["elastic_commit"] == 8 * need["rows"]  # shares of the range: it shrinks with W, never C

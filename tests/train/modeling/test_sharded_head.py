@@ -22,6 +22,7 @@ from pksampler.train.modeling.sharded_head import ShardedMarginHead, sampled, sh
 from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.solver.sparse_rows import SparseRowSGD
+from pksampler.world import World
 
 C, D, N = 50, 8, 24
 
@@ -170,8 +171,8 @@ def train_trace(world: int, steps: range, state: dict | None = None, *, weight_d
         head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=weight_decay)
         if state is not None:
-            rows.load_state_dict(state)
-        return head_steps(head, rows, steps), rows.state_dict()
+            head.load_whole(state)
+        return head_steps(head, rows, steps), head.whole_state()
 
     results = run_ranks(world, work)
     return results[0][0], results[0][1]
@@ -196,7 +197,7 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     def before(group):
         head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
         rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
-        return head_steps(head, rows, range(3)), head, rows, copy.deepcopy(rows.state_dict(everywhere=True))
+        return head_steps(head, rows, range(3)), head, rows, copy.deepcopy(head.whole_state(everywhere=True))
 
     first = run_ranks(3, before)
     survivors = [first[0], first[2]]  # rank 1's host left; each survivor keeps its own commit
@@ -204,9 +205,9 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
     def after(group):
         _, head, rows, saved = survivors[group.rank]
         head.collectives = group  # the backend's rank and size change in place at a reset
-        rows.begin_world()
-        rows.load_state_dict(saved)
-        assert (head.lo, head.hi) == shard_range(C, 2, group.rank) and rows.buffer.shape == head.rows.shape
+        head.set_world(World(rank=group.rank, size=group.size))
+        head.load_whole(saved)
+        assert (head.lo, head.hi) == shard_range(C, 2, group.rank) and head.momentum.shape == head.rows.shape
         return head_steps(head, rows, range(3, 6))
 
     then = run_ranks(2, after)
@@ -221,12 +222,12 @@ def test_a_reset_before_the_first_step_rebuilds_the_initial_rows_of_the_new_rang
         head = ShardedMarginHead(C, D, Member(ThreadGroup(3), old_rank), **spec, seed=1)
         rows = SparseRowSGD(head, momentum=0.9)
         head.collectives = Member(ThreadGroup(2), old_rank // 2)
-        rows.begin_world()
-        rows.load_initial()
-        assert torch.equal(head.rows, fresh[old_rank // 2]) and rows.buffer.shape == head.rows.shape
+        head.set_world(World(rank=old_rank // 2, size=2))
+        head.load_initial()
+        assert torch.equal(head.rows, fresh[old_rank // 2]) and head.momentum.shape == head.rows.shape
     rows.step(lr=0.1)  # a step taken (nothing sampled): the initial rows are no longer the state
     with pytest.raises(RuntimeError, match="took 1 steps but has no committed copy"):
-        rows.load_initial()
+        head.load_initial()
 
 
 def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_process(monkeypatch):
@@ -241,8 +242,33 @@ def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_
     mode = choose_run_mode(backend, commit_every=config.train.commit_every)
     assert mode.keeps_commits
     with pytest.raises(ConfigError, match="a sharded head needs train.gather_embeddings: true"):
-        HeadedLoss.from_config(config, backend, None, num_classes=10, global_batch=64, row_optimizer=SparseRowSGD,
-                               gathered=config.train.gather_embeddings, elastic=mode.keeps_commits)
+        HeadedLoss.from_config(config, backend, None, num_classes=10, gathered=config.train.gather_embeddings,
+                               elastic=mode.keeps_commits)
+
+
+def test_the_checkpoints_layout_is_kept_so_checkpoints_written_before_load(tmp_path):
+    """The head became one module owning its state; the loss's checkpoint keeps the names every earlier
+    checkpoint was written with, and such a state (momentum of the weighted rule included) loads."""
+    saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1),
+                                                   neck=BNNeck(D)).state_dict())
+    assert sorted(saved) == ["head", "neck", "pair"] and sorted(saved["pair"]) == ["margin"]
+    assert sorted(saved["head"]) == ["dim", "log_decay", "momentum", "momentum_of_own_loss", "num_classes", "rows",
+                                     "step", "subcentres"]
+    assert sorted(saved["neck"]) == ["norm.bias", "norm.weight"]
+    old = {**saved, "head": {k: v for k, v in saved["head"].items() if k != "momentum_of_own_loss"}}
+    old["head"]["momentum"] = torch.full((C, 1, D), 0.5)  # written when the rows stepped on weight x their loss
+    old["head"]["step"], old["head"]["log_decay"] = 3, torch.tensor([0.0, -0.1, -0.2, -0.3], dtype=torch.float64)
+    torch.save(old, tmp_path / "old.pt")
+
+    def load(group):
+        loss = HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1, loss_weight=0.5), neck=BNNeck(D))
+        loss.load_state_dict(torch.load(tmp_path / "old.pt", weights_only=True))
+        return loss.head
+
+    for rank, head in enumerate(run_ranks(2, load)):
+        lo, hi = shard_range(C, 2, rank)
+        assert torch.equal(head.rows, saved["head"]["rows"][lo:hi]) and head.step == 3 and head.decay.steps == 3
+        assert torch.equal(head.momentum, torch.full((hi - lo, 1, D), 1.0))  # divided back by head.weight
 
 
 def test_the_checkpoint_loads_with_weights_only(tmp_path):
@@ -267,19 +293,19 @@ def _sparse_steps(group, spec):
     untouched_ok = True
     for step, lr in enumerate((0.5, 0.3, 0.2, 0.1)):
         embeddings, labels = inputs(step)
-        before, momentum_before = head.rows.clone(), rows.buffer.clone()
+        before, momentum_before = head.rows.clone(), head.momentum.clone()
         head(embeddings, labels).backward()
         chosen, grad = head.pending[0], head.pending[1].grad.clone()
         rows.step(lr)
         mask = torch.zeros(C, dtype=torch.bool)
         mask[chosen] = True
         untouched_ok &= bool(torch.equal(head.rows[~mask], before[~mask]))
-        untouched_ok &= bool(torch.equal(rows.buffer[~mask], momentum_before[~mask]))
+        untouched_ok &= bool(torch.equal(head.momentum[~mask], momentum_before[~mask]))
         # the eager reference: decoupled decay on every row each step, momentum on the sampled rows
         eager_rows *= 1 - lr * 0.1
         eager_momentum[chosen] = eager_momentum[chosen] * 0.9 + grad
         eager_rows[chosen] -= lr * eager_momentum[chosen]
-    rows.settle()
+    head.settle()
     return untouched_ok, head.rows.clone(), eager_rows
 
 
@@ -321,9 +347,9 @@ def neck_step(world: int, spec: dict, embeddings: torch.Tensor, labels: torch.Te
     """One trainer-like step per rank: loss × W backward on the gathered batch; loss, embedding and neck gradients."""
 
     def work(group):
-        head = ShardedMarginHead(C, D, group, **spec, seed=1)
-        loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head, grad_divisor=world), weight=0.7,
-                             neck=BNNeck(D, grad_divisor=world))
+        head = ShardedMarginHead(C, D, group, **spec, seed=1, loss_weight=0.7,
+                                 world=World(rank=group.rank, size=world, loss_scale=world))
+        loss_fn = HeadedLoss(_CentreDistance(), head, neck=BNNeck(D, grad_divisor=world))
         leaf = embeddings.clone().requires_grad_(True)
         loss = loss_fn(leaf, labels)
         (loss * world).backward()
@@ -344,7 +370,8 @@ def test_bnneck_the_head_reads_the_normalised_embeddings_and_the_pair_loss_the_e
         without = float(_CentreDistance()(embeddings, labels) + 0.7 * head(embeddings, labels))
     assert abs(loss - expected) <= 1e-6 * abs(expected)
     assert abs(without - expected) > 1e-3  # the neck changes what the head sees
-    assert bias_grad is None and [p.shape for p in loss_fn.parameters()] == [(), (D,)]  # bias frozen, scale trained
+    trained = [p.shape for p in loss_fn.parameters() if p.requires_grad]
+    assert bias_grad is None and trained == [(), (D,)]  # bias frozen, scale trained
 
 
 def test_bnneck_loss_and_gradients_are_the_same_at_one_two_and_three_ranks():
@@ -375,7 +402,7 @@ def test_bnneck_state_is_saved_loads_with_weights_only_and_must_match(tmp_path):
 
     def load(group, *, neck: bool):
         head = ShardedMarginHead(C, D, group, **spec, seed=1)
-        loss_fn = HeadedLoss(_CentreDistance(), head, SparseRowSGD(head), weight=1.0, neck=BNNeck(D) if neck else None)
+        loss_fn = HeadedLoss(_CentreDistance(), head, neck=BNNeck(D) if neck else None)
         loss_fn.load_state_dict(saved)
         return loss_fn
 
@@ -401,10 +428,11 @@ def test_bnneck_training_trace_is_the_same_at_one_two_and_three_ranks():
 
     def work(group):
         world = group.size
-        head = ShardedMarginHead(C, D, group, **spec, seed=1)
-        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01, grad_divisor=world)
-        loss_fn = HeadedLoss(_CentreDistance(), head, rows, weight=1.0, neck=BNNeck(D, grad_divisor=world))
-        optimizer = torch.optim.SGD(loss_fn.parameters(), lr=0.5, momentum=0.9)
+        head = ShardedMarginHead(C, D, group, **spec, seed=1, world=World(rank=group.rank, size=world,
+                                                                          loss_scale=world))
+        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
+        loss_fn = HeadedLoss(_CentreDistance(), head, neck=BNNeck(D, grad_divisor=world))
+        optimizer = torch.optim.SGD([p for p in loss_fn.parameters() if p.requires_grad], lr=0.5, momentum=0.9)
         trace = []
         for step in range(12):
             embeddings, labels = inputs(200 + step)
@@ -436,10 +464,10 @@ def test_the_pair_weight_mixes_the_losses_and_zero_trains_the_head_alone():
 
     def step(pair_weight: float):
         def work(group):
-            head = ShardedMarginHead(C, D, group, **spec, seed=1)
+            head = ShardedMarginHead(C, D, group, **spec, seed=1, loss_weight=0.7)
             pair = _CentreDistance()
             pair.margin.data.fill_(10.0)  # a pair loss above zero on these inputs
-            loss_fn = HeadedLoss(pair, head, SparseRowSGD(head), weight=0.7, pair_weight=pair_weight)
+            loss_fn = HeadedLoss(pair, head, pair_weight=pair_weight)
             loss = loss_fn(embeddings.clone().requires_grad_(True), labels)
             loss.backward()
             return (float(loss.detach()), float(loss_fn.last_head_loss), float(pair(embeddings, labels).detach()),

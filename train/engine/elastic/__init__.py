@@ -1,7 +1,7 @@
 """Horovod elastic training, in three modules: state handlers, commits, and the run mode that drives them.
 
 * :mod:`.handlers` -- what Horovod saves, restores and syncs per value (the
-  sampler's position, the loop's state, the sharded head's rows and replicas);
+  sampler's position, the loop's state, every shared part's rows and replicas, one handler for all);
 * :mod:`.commit` -- the in-memory commits, the held metrics lines written at
   each, and the rule that ``last.pt`` is taken only at a commit;
 * :mod:`.run` -- :class:`~.run.HorovodElasticMode`: the loop under
@@ -17,13 +17,13 @@ from __future__ import annotations
 from typing import Any
 
 from pksampler.train.engine.elastic.commit import CommitHook, Commits
-from pksampler.train.engine.elastic.handlers import HeadHandler, SamplerHandler, host_key, state_handlers
+from pksampler.train.engine.elastic.handlers import SamplerHandler, ShardHandler, Shared, host_key, state_handlers
 from pksampler.train.engine.elastic.run import (ELASTIC_TIMEOUT_ENV, HorovodElasticMode, elastic_launch, loop_position,
                                                 rejoin_timeout)
 from pksampler.train.engine.mode import RunMode
 
-__all__ = ["CommitHook", "Commits", "ELASTIC_TIMEOUT_ENV", "HeadHandler", "HorovodElasticMode", "RunMode",
-           "SamplerHandler", "choose_run_mode", "elastic_launch", "horovod_elastic", "host_key", "loop_position",
+__all__ = ["CommitHook", "Commits", "ELASTIC_TIMEOUT_ENV", "HorovodElasticMode", "RunMode", "SamplerHandler",
+           "ShardHandler", "Shared", "choose_run_mode", "elastic_launch", "horovod_elastic", "host_key", "loop_position",
            "rejoin_timeout", "state_handlers"]
 
 

@@ -13,10 +13,12 @@ Horovod picks a handler per value of its ``TorchState`` by type;
   repeats samples, horovod#3399).
 * :class:`TrainState` (epoch, batches done, global step, best) and the lr schedule: copies,
   restored in place, broadcast from rank 0.
-* a loss with a row-sharded head (:class:`HeadHandler`): save = this rank's
-  rows and momentum and a replica of one rank's on another host, so a host
-  that leaves takes no rows with it; after a reset every rank of the new
-  world (joiners too) receives its new range from whoever holds it.
+* every part that owns a share of a row-sharded table (each item of
+  :attr:`StepParts.shared`, held as a :class:`Shared`; the sharded head's
+  loss is one), one :class:`ShardHandler` each: save = this rank's range and
+  a replica of one rank's on another host, so a host that leaves takes no
+  rows with it; after a reset every rank of the new world (joiners too)
+  receives its new range from whoever holds it.
 * optimizers: the state dict is broadcast and loaded; Horovod's own handler
   first takes a zero-gradient step on a rank with an empty state (a
   joiner), which moves weight-decayed parameters after they were synced.
@@ -36,7 +38,7 @@ import torch
 
 from pksampler.train.engine.trainer import TrainState
 
-__all__ = ["HeadHandler", "SamplerHandler", "as_state_handler", "host_key", "state_handlers"]
+__all__ = ["SamplerHandler", "ShardHandler", "Shared", "as_state_handler", "host_key", "state_handlers"]
 
 
 # --- state handlers -----------------------------------------------------------------
@@ -141,42 +143,53 @@ class _StateDictHandler:
         self.save()
 
 
-class HeadHandler:
-    """Elastic state of a loss with a row-sharded head (``HeadedLoss``): own range + one replica, re-assembled.
+class Shared:
+    """An item of :attr:`StepParts.shared` as Horovod's ``TorchState`` holds it, so one handler serves them all.
 
-    A commit (:meth:`save`, a collective: every rank commits at the same step)
-    keeps a host copy of this rank's rows and momentum and receives a replica
-    of another rank's range, on another host when there is one
-    (:mod:`~pksampler.train.modeling.head_replicas`): 2 × ⌈C/W⌉·k·D floats of
-    rows and as many of momentum per rank, never the whole head. A new world
-    assembles its ranges from whoever holds them (:meth:`assemble`): in the
-    sync when Horovod runs one, else (hosts only left: Horovod skips it) at
-    the start of the body (:meth:`ensure_current`); at a reset the loss takes
-    its new (empty) range with ``set_world`` and the reset callback
-    (:meth:`on_reset`) only marks it stale, since joiners are not in it. ``grad_divisor()`` is the new world's loss scale; ``host()`` names
-    this rank's host (equal numbers: one host). Nothing here is collective at
-    construction: a joiner builds its state before it meets the survivors.
+    A shared part implements the sharded-state protocol (docs/sharded-head.md): ``num_rows`` (the whole table's
+    rows), ``set_world(world)`` (its range and gradient scale in a new world, zero until loaded),
+    ``range_state()`` (no collective: ``(dense, RangeCopy)``, the dense state the same on every rank and a host
+    copy of its own range), ``load_range(dense, fill)`` (``fill(*tensors)`` writes its new range: a collective)
+    and ``load_initial()`` (its initial rows, before any commit).
     """
 
-    name = "pksampler.elastic.head"
+    def __init__(self, part: Any) -> None:
+        self.part = part
 
-    def __init__(self, value: Any, *, grad_divisor: Callable[[], float], resumed: dict[str, Any] | None = None,
-                 host: Callable[[], int] = lambda: host_key()) -> None:
-        from pksampler.train.modeling.head_replicas import RangeCopy
 
-        self.value, self.grad_divisor, self.host = value, grad_divisor, host
+class ShardHandler:
+    """Elastic state of one shared part: own range + one replica, re-assembled in every new world.
+
+    A commit (:meth:`save`, a collective: every rank commits at the same step)
+    keeps a host copy of this rank's range and receives a replica of another
+    rank's, on another host when there is one
+    (:mod:`~pksampler.train.modeling.head_replicas`): 2 × ⌈N/W⌉ rows per rank
+    of each of the part's tensors, never the whole table. A new world
+    assembles its ranges from whoever holds them (:meth:`assemble`): in the
+    sync when Horovod runs one, else (hosts only left: Horovod skips it) at
+    the start of the body (:meth:`ensure_current`); at a reset the part takes
+    its new (empty) range with ``set_world`` (:meth:`Trainer.set_world`) and
+    the reset callback (:meth:`on_reset`) only marks it stale, since joiners
+    are not in it. ``resumed``: ``(dense, RangeCopy of every row)`` on rank 0
+    of a resumed job (the part's state read from the checkpoint). ``host()``
+    names this rank's host (equal numbers: one host). Nothing here is
+    collective at construction: a joiner builds its state before it meets the
+    survivors.
+    """
+
+    def __init__(self, value: Shared, *, collectives: Any, resumed: tuple[dict[str, Any], Any] | None = None,
+                 host: Callable[[], int] = lambda: host_key(), name: str = "pksampler.elastic.shared") -> None:
+        self.value, self.collectives, self.host, self.name = value, collectives, host, name
         self._dense: dict[str, Any] | None = None
         self._copies: list[Any] = []
         self._step, self._world = -1, 0
+        self._commits = 0  # commits this handler made or received (the commit's number: the same on every rank)
         self.current = False  # this rank's range is the current world's (set by an assembly)
         if resumed is not None:
-            # rank 0 of a resumed run holds the checkpoint's whole head (one copy of [0, C)); the first
-            # assembly gives every rank its range of it (each built only its own, and only rank 0 read the file)
-            head = dict(resumed["head"])
-            rows, momentum = head.pop("rows"), head.pop("momentum")
-            self._dense = {**resumed, "head": head}
-            self._copies = [RangeCopy(0, rows.shape[0], rows, momentum)]
-            self._step, self._world = int(head["step"]), 1
+            # rank 0 of a resumed run holds the checkpoint's whole table (one copy of [0, N)); the first assembly
+            # gives every rank its range of it (each built only its own, and only rank 0 read the file)
+            self._dense, whole = resumed
+            self._copies, self._step, self._world = [whole], 0, 1
 
     @property
     def copies(self) -> list[Any]:
@@ -187,15 +200,14 @@ class HeadHandler:
         from pksampler.train.modeling.head_replicas import exchange_replica, replica_shift
         from pksampler.train.modeling.sharded_head import shard_range
 
-        loss = self.value
-        collectives, classes = loss.head.collectives, loss.head.num_classes
-        dense, own = loss.own_range()
+        part, collectives = self.value.part, self.collectives
+        dense, own = part.range_state()
         hosts = collectives.allgather(torch.tensor([self.host()], dtype=torch.int64)).cpu().tolist()
-        ranges = [shard_range(classes, collectives.size, r) for r in range(collectives.size)]
+        ranges = [shard_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
         replica = exchange_replica(own, ranges, collectives=collectives, shift=replica_shift(hosts))
         # replaced only now: a commit cut short by a lost rank leaves the previous one whole
         self._dense, self._copies = dense, [own] + ([replica] if replica is not None else [])
-        self._step, self._world = int(dense["head"]["step"]), collectives.size
+        self._step, self._world = self._step + 1 if self._step >= 0 else 1, collectives.size
         self.current = True
 
     def restore(self) -> None:
@@ -215,7 +227,7 @@ class HeadHandler:
             self.assemble()
 
     def assemble(self) -> None:
-        """This rank's range of the committed head for the current world, from whoever holds it (a collective).
+        """This rank's range of the committed table for the current world, from whoever holds it (a collective).
 
         Every rank reports its copies (one small all-gather); the plan is the
         same on every rank, so a range held by no rank raises
@@ -225,20 +237,20 @@ class HeadHandler:
         from pksampler.train.modeling import head_replicas
         from pksampler.train.modeling.sharded_head import shard_range
 
-        loss = self.value
-        collectives, classes = loss.head.collectives, loss.head.num_classes
+        part, collectives = self.value.part, self.collectives
         row = head_replicas.holder_row(self._step, self._world, self._copies)
         table = collectives.allgather(torch.from_numpy(row)[None]).cpu().numpy()
-        step, segments = head_replicas.plan_segments(table, classes)
+        step, segments = head_replicas.plan_segments(table, part.num_rows)
         if step < 0:
-            loss.load_initial(grad_divisor=self.grad_divisor())
+            part.load_initial()
         else:
             root = 0 if table[0, 0] == step else int((table[:, 0] == step).argmax())
             dense = collectives.broadcast_object(self._dense if collectives.rank == root else None, root,
                                                  name=self.name)
-            ranges = [shard_range(classes, collectives.size, r) for r in range(collectives.size)]
-            loss.load_assembled(dense, functools.partial(head_replicas.assemble, self._copies, segments, ranges,
-                                                         collectives=collectives), grad_divisor=self.grad_divisor())
+            ranges = [shard_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
+            part.load_range(dense, functools.partial(head_replicas.assemble, self._copies, segments, ranges,
+                                                     collectives=collectives))
+            self._step = step
         self.current = True
 
     def set_value(self, value: Any) -> None:
@@ -266,7 +278,7 @@ def state_handlers(sampler_type: type, sampler_handler: Callable[[Any], SamplerH
 
     ``sampler_handler(sampler)`` makes the handler of a pksampler sampler of
     ``sampler_type`` (it needs the trainer's position and a rebuild function);
-    ``extra`` come before the rest (the sharded head's loss).
+    ``extra`` come before the rest (the shared parts' :class:`Shared`).
     """
     from horovod.torch.elastic.state import ModelStateHandler
 

@@ -47,7 +47,7 @@ from pksampler.world import World
 
 from pksampler.train.engine.checkpoint import CheckpointWriter
 from pksampler.train.engine.elastic.commit import CommitHook, Commits
-from pksampler.train.engine.elastic.handlers import (HeadHandler, SamplerHandler, as_state_handler,
+from pksampler.train.engine.elastic.handlers import (SamplerHandler, ShardHandler, Shared, as_state_handler,
                                                      state_handlers)
 from pksampler.train.engine.hooks import CheckpointHook, OnMainRank
 from pksampler.train.engine.mode import RunMode
@@ -55,7 +55,6 @@ from pksampler.train.engine.trainer import HookBase, Trainer, TrainState, replay
 from pksampler.train.engine.writers import CommittedJSONWriter, EventWriter, OnMainRankWriter, WriterHook
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock
-from pksampler.train.losses.headed import HeadedLoss
 
 __all__ = ["ELASTIC_TIMEOUT_ENV", "HorovodElasticMode", "REJOIN_EXIT_STATUS", "TAKE_OVER_WAIT_SECONDS",
            "elastic_launch", "loop_position", "rejoin_timeout"]
@@ -205,17 +204,16 @@ class HorovodElasticMode(RunMode):
 
         if self._log is None or self._writers is None:
             raise RuntimeError("HorovodElasticMode.run: the run has no metrics writer (metrics_writer, writer_hooks)")
-        state, handlers = self._state(trainer)
+        state, handlers, shards = self._state(trainer)
         self._commits = Commits(state, self._writers, self._log)
         trainer.register([CommitHook(self._commits, every=self.commit_every)])
         state.register_reset_callbacks([functools.partial(self._on_reset, trainer, handlers)])
 
         def body(state: Any) -> TrainState:
-            # Synced: every rank holds rank 0's committed state and its own share for this world (the head's is
-            # assembled here when Horovod skipped the sync: hosts only left).
-            for handler in handlers:
-                if isinstance(handler, HeadHandler):
-                    handler.ensure_current()
+            # Synced: every rank holds rank 0's committed state and its own share for this world (each shared
+            # part's is assembled here when Horovod skipped the sync: hosts only left).
+            for handler in shards:
+                handler.ensure_current()
             state.save()
             for check in self._checks:
                 check()
@@ -223,27 +221,35 @@ class HorovodElasticMode(RunMode):
 
         return run_fn(body, functools.partial(_rejoin_with_deadline, rejoin_timeout()))(state)
 
-    def _state(self, trainer: Trainer) -> tuple[Any, list[Any]]:
-        """Horovod's ``TorchState`` of the run, with pksampler's handlers (those it made, in order)."""
+    def _state(self, trainer: Trainer) -> tuple[Any, list[Any], list[ShardHandler]]:
+        """Horovod's ``TorchState`` of the run with pksampler's handlers; those it made (in order) and, of them,
+        one :class:`ShardHandler` per item of :attr:`StepParts.shared` (each held as a :class:`Shared`)."""
         import horovod.torch as hvd
         from horovod.torch.elastic import state as hvd_state
 
-        parts, made = trainer.parts, []
+        parts, made, shards = trainer.parts, [], []
 
         def sampler_handler(sampler: Any) -> SamplerHandler:
             made.append(as_state_handler(SamplerHandler)(sampler, position=lambda: loop_position(trainer)))
             return made[-1]
 
-        def head_handler(loss: Any) -> HeadHandler:
-            made.append(as_state_handler(HeadHandler)(loss, grad_divisor=lambda: parts.backend.gathered_loss_scale,
-                                                      resumed=self._loss_state))
-            return made[-1]
+        def shard_handler(shared: Shared) -> ShardHandler:
+            # rank 0 of a resumed job holds the checkpoint's state of the loss, whole: the part that is the loss
+            # starts from it
+            resumed = (shared.part.saved_copy(self._loss_state)
+                       if shared.part is parts.loss_fn and self._loss_state is not None else None)
+            shards.append(as_state_handler(ShardHandler)(shared, collectives=parts.backend, resumed=resumed,
+                                                         name=f"pksampler.elastic.shared{len(shards)}"))
+            made.append(shards[-1])
+            return shards[-1]
 
         hvd_state.set_handler_registry(state_handlers(type(parts.sampler), sampler_handler,
-                                                      [(HeadedLoss, head_handler)]))
-        state = hvd.elastic.TorchState(model=parts.model, optimizer=parts.optimizer, loss=parts.loss_fn,
-                                       scheduler=parts.scheduler, sampler=parts.sampler, train=trainer.state)
-        return state, made
+                                                      [(Shared, shard_handler)]))
+        shared = {f"shared{i}": Shared(part) for i, part in enumerate(parts.shared)}
+        loss = {} if any(part is parts.loss_fn for part in parts.shared) else {"loss": parts.loss_fn}
+        state = hvd.elastic.TorchState(model=parts.model, optimizer=parts.optimizer, **loss,
+                                       scheduler=parts.scheduler, sampler=parts.sampler, train=trainer.state, **shared)
+        return state, made, shards
 
     def _on_reset(self, trainer: Trainer, handlers: list[Any]) -> None:
         """After Horovod's reset (survivors only): the new world to every part and hook, the committed sampler
