@@ -185,9 +185,10 @@ class ObjectStore:
                 reason = f"the store answered {status.group(1).strip()}"
             elif re.search(r"error sending request|connection|timed out|HTTP error", text, re.IGNORECASE):
                 reason = "the store did not answer (connection refused, reset or timed out)"
-            if "403" in str(error) or "Forbidden" in str(error) or "AccessDenied" in str(error):
+            # a status code as a word of its own: the text also holds durations ("after 1.404s") and addresses
+            if re.search(r"(?<![.\w])403(?![.\w])|Forbidden|AccessDenied", text):
                 reason = "access denied (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
-            elif "404" in str(error) or "NoSuchKey" in str(error) or "NoSuchBucket" in str(error):
+            elif re.search(r"(?<![.\w])404(?![.\w])|NoSuchKey|NoSuchBucket", text):
                 reason = "no such object or bucket"
         return ObjectStoreError(f"s3://{self.bucket}/{self.key(name)}: {reason}")
 

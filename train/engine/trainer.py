@@ -195,7 +195,9 @@ class Trainer:
         added = list(hooks)
         for hook in added:
             hook.trainer = self
-            self.parts.shared = (*self.parts.shared, *hook.shares())
+            shares = tuple(hook.shares())
+            if shares:  # most hooks own none (and a loop may run without step parts)
+                self.parts.shared = (*self.parts.shared, *shares)
         self.hooks.extend(added)
 
     @property

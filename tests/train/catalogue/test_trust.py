@@ -321,6 +321,24 @@ def test_a_store_that_never_answers_fails_within_the_commands_own_bound(tmp_path
     assert time.monotonic() - started < 60  # a bound, not a measurement: the store gave no answer at all
 
 
+@pytest.mark.parametrize(("text", "reason"), [
+    # obstore's text for a store that accepted and never answered: the elapsed time may hold "404" or "403"
+    ("Generic S3 error: Error performing GET http://127.0.0.1:40443/bucket/pack/manifest.json in 2.404403877s - "
+     "HTTP error: error sending request ... elapsed: 2.404403877s, retry_timeout: 2s", "the store did not answer"),
+    ("Generic S3 error: Error performing GET http://127.0.0.1:9000/bucket/pack/manifest.json: status code: 404 "
+     "Not Found", "no such object or bucket"),
+    ("Generic S3 error: ... <Code>AccessDenied</Code>", "access denied"),
+])
+def test_an_http_status_is_read_as_a_word_not_as_digits_inside_a_duration(text, reason):
+    from pksampler.datasets.objectstore import ObjectStore
+
+    class GenericError(Exception):
+        pass
+
+    error = ObjectStore("s3://bucket/pack")._fail("manifest.json", GenericError(text))
+    assert str(error).startswith(f"s3://bucket/pack/manifest.json: {reason}"), str(error)
+
+
 # issue 51, item 12: the scripts' usage lines are commands
 
 

@@ -114,6 +114,10 @@ def test_the_hook_is_built_at_one_rank_so_a_world_that_grows_averages_and_one_ra
         own = [buffer.clone() for buffer in running_statistics(model)]
         built.after_epoch()  # one rank: the mean over the ranks is its own statistics, bit for bit
         assert own and all(torch.equal(a, b) for a, b in zip(own, running_statistics(model)))
-        assert built.world() is backend.world  # read live: a reset's new world is the one it averages over
+        assert built.world() == backend.world  # read live: a reset's new world is the one it averages over
+        from pksampler.world import World
+
+        backend.set_world(World(rank=1, size=3, local_rank=1, local_size=3))
+        assert built.world().size == 3 and built.world().rank == 1
     finally:
         run.close()
