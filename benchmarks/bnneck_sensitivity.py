@@ -61,6 +61,12 @@ class ScaleWeights(HookBase):
                 parameter.mul_(1 + self.eps * torch.randn(parameter.shape, generator=generator))
 
 
+def step_losses(workspace: Path) -> list[float]:
+    """The loss of every step a run wrote to ``metrics.jsonl``."""
+    lines = (workspace / "metrics.jsonl").read_text().splitlines()
+    return [record["loss"] for record in map(json.loads, lines) if record["type"] == "step"]
+
+
 def trace(neck: bool, eps: float, workspace: Path, *, elastic_head: bool = False) -> list[float]:
     """The step losses of one run: with or without the head's BNNeck, or (``elastic_head``) the model's neck."""
     if elastic_head:
@@ -69,8 +75,7 @@ def trace(neck: bool, eps: float, workspace: Path, *, elastic_head: bool = False
     else:
         config = build_config({**CONFIG, "head": {**CONFIG["head"], "bnneck": neck}, "workspace": str(workspace)})
     train(config, [ScaleWeights(eps)])
-    lines = (workspace / "metrics.jsonl").read_text().splitlines()
-    return [record["loss"] for record in map(json.loads, lines) if record["type"] == "step"]
+    return step_losses(workspace)
 
 
 class Recorder(HookBase):
@@ -140,8 +145,7 @@ def knob_run(sets: list[str], patch: Callable[[Any], None] | None, eps: float, w
     recorder = Recorder(patch)
     hooks = [ScaleWeights(eps), recorder] if eps else [recorder]
     train(config, hooks)
-    lines = (workspace / "metrics.jsonl").read_text().splitlines()
-    return [record["loss"] for record in map(json.loads, lines) if record["type"] == "step"], recorder
+    return step_losses(workspace), recorder
 
 
 def knob_row(name: str, eps: float, folder: Path) -> str:
