@@ -104,10 +104,11 @@ def test_the_neck_statistics_are_the_global_batch_ones_and_the_config_is_invaria
 
 
 def test_the_head_with_its_defaults_trains_the_same_model_at_one_two_and_three_ranks(traces):
-    # Its BNNeck makes the training itself sensitive: in one process, scaling the starting weights by
-    # (1 + 1e-7 N(0, 1)) moves this trace by 2.7e-3 at step 12 (docs/sharded-head.md, "BNNeck: the traces
-    # drift"), as far as another world size's summation order does; a wrong gradient scale of the neck shows
-    # at step 2 (1e-3), a rank's missing rows at step 1.
+    # The training itself is sensitive: in one process, scaling the starting weights by (1 + 1e-7 N(0, 1))
+    # moves this trace by 2.7e-3 by step 12, as far as another world size's summation order does. The
+    # amplifier is the network's SGD step on the head's gradient at head.weight 1 (86x the pair loss's), not
+    # the BNNeck, the rows or the margin (docs/sharded-head.md, "Which part amplifies"). A wrong gradient
+    # scale of the neck shows at step 2 (1e-3), a rank's missing rows at step 1.
     reference = _losses(traces[1][0] / "head")
     assert reference.size == STEPS and np.ptp(reference) > 1e-2
     for world in (2, 3):
