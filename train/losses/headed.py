@@ -131,6 +131,7 @@ class HeadedLoss(torch.nn.Module):
     def saved_copy(self, saved: dict[str, Any]) -> tuple[dict[str, Any], RangeCopy]:
         """:meth:`state_dict`'s whole head as :meth:`range_state` gives a range: the dense state and one copy
         of every row (rank 0 of a resumed job, the one that read the checkpoint)."""
+        self.head.check_whole(saved["head"])
         head = dict(saved["head"])
         rows, momentum = head.pop("rows"), head.pop("momentum")
         if not head.get("momentum_of_own_loss"):

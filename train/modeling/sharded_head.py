@@ -317,16 +317,25 @@ class ShardedMarginHead(torch.nn.Module):
                 "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim,
                 "log_decay": self.decay.log.clone(), "momentum_of_own_loss": True}
 
+    def check_whole(self, saved: dict[str, Any]) -> None:
+        """Refuse, in one line naming the field, a :meth:`whole_state` (a checkpoint's, maybe edited by hand) that
+        this head cannot take whole: rows and momentum of shape (C, k, D) (a smaller momentum would broadcast over
+        every class), a 1-D decay log."""
+        shape = (self.num_classes, self.subcentres, self.dim)
+        for field in ("rows", "momentum"):
+            if tuple(saved[field].shape) != shape:
+                raise ValueError(f"the checkpoint's head has {field} of shape {tuple(saved[field].shape)}, this "
+                                 f"run's {shape} (head.subcentres, model.embedding_dim and the classes must match)")
+        if saved["log_decay"].dim() != 1 or saved["log_decay"].numel() < 1:
+            raise ValueError(f"the checkpoint's head has a log_decay of shape {tuple(saved['log_decay'].shape)}, "
+                             "expected one value per step taken (1-D, at least the start)")
+
     def load_whole(self, saved: dict[str, Any]) -> None:
         """:meth:`whole_state`'s head, this rank's range of it. A head saved before the rows stepped on their
         own loss (no ``momentum_of_own_loss``) holds momentum of ``head.weight`` × that loss: divided back, so
         it continues in the units of the rule now in force."""
-        shape = (self.num_classes, self.subcentres, self.dim)
-        rows = saved["rows"]
-        if tuple(rows.shape) != shape:
-            raise ValueError(f"the checkpoint's head has rows of shape {tuple(rows.shape)}, this run's {shape} "
-                             "(head.subcentres, model.embedding_dim and the classes must match)")
-        self.rows.copy_(rows[self.lo:self.hi])
+        self.check_whole(saved)
+        self.rows.copy_(saved["rows"][self.lo:self.hi])
         momentum = saved["momentum"][self.lo:self.hi]
         self.momentum.copy_(momentum if saved.get("momentum_of_own_loss") else momentum / self.loss_weight)
         self.step = int(saved["step"])
