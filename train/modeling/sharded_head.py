@@ -119,7 +119,7 @@ class ShardedMarginHead(torch.nn.Module):
             margin, when the margin head does not converge from scratch).
         seed: keys the initial rows and the negative draw.
         world: the rank's :class:`~pksampler.world.World` (its range, and the gradient scale the trainer's loss
-            carries); None: the collectives' rank and size, scale 1.
+            carries); None: the world the collectives carry (:meth:`World.of`; a backend's, with its loss scale).
         loss_weight: what the caller multiplies this head's loss by (``head.weight``): divided out of the rows'
             gradient, so the weight balances the losses in the network's gradient only and the rows learn at
             their own rate.
@@ -143,7 +143,7 @@ class ShardedMarginHead(torch.nn.Module):
         self.softmax_steps, self.margin_ramp_steps = softmax_steps, margin_ramp_steps
         self.num_classes, self.dim, self.collectives, self.seed = num_classes, dim, collectives, seed
         self.loss_weight = loss_weight
-        world = world if world is not None else World(rank=collectives.rank, size=collectives.size)
+        world = world if world is not None else World.of(collectives)
         self.lo, self.hi = shard_range(num_classes, world.size, world.rank)
         self.gradient_scale = world.loss_scale  # the factor the trainer's loss carries into backward (Horovod: W)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
