@@ -562,3 +562,14 @@ def test_a_hand_edited_checkpoints_head_is_refused_in_one_line_by_both_loaders(e
 
     message, untouched = run_ranks(1, load)[0]
     assert "\n" not in message and untouched
+
+
+@pytest.mark.parametrize("weight_decay", [10.0, 20.0, -0.1, float("nan"), float("inf"), True])
+def test_the_row_optimizer_refuses_a_decay_that_the_lazy_log_cannot_hold(weight_decay):
+    """lr·λ >= 1 took log1p(−lr·λ) = −inf or NaN into the decay log: every row read NaN at its next step (the
+    config's loader refuses it with the head's numbers; the optimizer built by hand did not)."""
+    head, = run_ranks(1, lambda group: ShardedMarginHead(C, D, group))
+    with pytest.raises(ValueError, match=r"SparseRowSGD\(weight_decay=\) expects a number >= 0 whose product with "
+                                         r"lr=0.1 is below 1, got"):
+        SparseRowSGD(head, lr=0.1, weight_decay=weight_decay)
+    SparseRowSGD(head, lr=0.1, weight_decay=9.9)  # lr·λ = 0.99: a valid (if fierce) decay
