@@ -185,10 +185,12 @@ class ObjectStore:
                 reason = f"the store answered {status.group(1).strip()}"
             elif re.search(r"error sending request|connection|timed out|HTTP error", text, re.IGNORECASE):
                 reason = "the store did not answer (connection refused, reset or timed out)"
-            # a status code as a word of its own: the text also holds durations ("after 1.404s") and addresses
-            if re.search(r"(?<![.\w])403(?![.\w])|Forbidden|AccessDenied", text):
+            # a status code as a word of its own, outside the request's address (which holds the key: images filed
+            # by class id, .../404/0001.jpg): the text also holds durations ("after 1.404s")
+            bare = re.sub(r"\b\w+://\S+", "<address>", text)
+            if re.search(r"(?<![.\w])403(?![.\w])|Forbidden|AccessDenied", bare):
                 reason = "access denied (check AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
-            elif re.search(r"(?<![.\w])404(?![.\w])|NoSuchKey|NoSuchBucket", text):
+            elif re.search(r"(?<![.\w])404(?![.\w])|NoSuchKey|NoSuchBucket", bare):
                 reason = "no such object or bucket"
         return ObjectStoreError(f"s3://{self.bucket}/{self.key(name)}: {reason}")
 

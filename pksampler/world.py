@@ -64,6 +64,15 @@ class World:
         found = comm.detect_world()
         return cls(*found[:4]) if found is not None else cls()
 
+    @classmethod
+    def of(cls, collectives: object) -> "World":
+        """The world ``collectives`` carries (a trainer's backend: with the loss scale of its gathered batch, which
+        is the world size under Horovod), else one of its ``rank`` and ``size`` with scale 1."""
+        carried = getattr(collectives, "world", None)
+        if isinstance(carried, World):
+            return carried
+        return cls(rank=collectives.rank, size=collectives.size)  # type: ignore[attr-defined]
+
     @property
     def is_main(self) -> bool:
         """Whether this is rank 0 (the rank that writes the workspace)."""

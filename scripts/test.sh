@@ -11,6 +11,11 @@
 #   PKSAMPLER_TEST_WORKERS=0 scripts/test.sh tests/x.py   # one process (pdb, -s); default: 2 xdist workers
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+workers="${PKSAMPLER_TEST_WORKERS:-2}"
+if ! [[ "$workers" =~ ^[0-9]+$ ]]; then
+    echo "PKSAMPLER_TEST_WORKERS=$workers: must be a whole number of xdist workers (0: none, one process)" >&2
+    exit 2
+fi
 VENV="$("$ROOT/scripts/setup.sh" --print-venv)" || exit 1
 "$ROOT/scripts/setup.sh" || exit 1
 cd "$ROOT"
@@ -26,11 +31,11 @@ echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.sp
      "hypothesis profile $HYPOTHESIS_PROFILE" >&2
 # Two worker processes (pytest-xdist; PKSAMPLER_TEST_WORKERS=N for another count, 0 for none): a launched test
 # spends much of its time starting ranks and waiting on collectives, so a second worker's tests fill those gaps.
-# --dist loadfile keeps a test file on one worker: the launches its module fixtures share start once.
-workers="${PKSAMPLER_TEST_WORKERS:-2}"
+# --dist loadfile keeps a test file on one worker: the launches its module fixtures share start once. Arguments
+# that turn xdist off (-p no:xdist) get one process, as PKSAMPLER_TEST_WORKERS=0 does.
 parallel=()
-if [[ "$workers" != "0" ]]; then
-    parallel=(-n "$workers" --dist loadfile)
+if [[ "$((10#$workers))" -gt 0 && " $* " != *" -p no:xdist "* && " $* " != *" -pno:xdist "* ]]; then
+    parallel=(-n "$((10#$workers))" --dist loadfile)
 fi
 # --durations=25: the slowest tests, printed at the end of every run, so the suite's cost is a recorded fact;
 # the session's summary also counts the launches (tests/launch.py).

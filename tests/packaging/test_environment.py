@@ -129,3 +129,30 @@ def test_the_parity_tests_fail_in_one_line_naming_the_set_up_when_their_referenc
     missing = "timm" if present else "torchvision"
     assert re.fullmatch(rf"ImportError: {missing}'s code is in neither the environment nor .*: run "
                         r"\./scripts/setup\.sh", last), result.stderr[-2000:]
+
+
+TEST_SH = ROOT / "scripts" / "test.sh"
+
+
+def _test_sh(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {k: v for k, v in os.environ.items() if k != "PKSAMPLER_TEST_WORKERS"}
+    return subprocess.run(["bash", str(TEST_SH), *args], env={**full, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("workers", ["junk", "-1", "2x", " "])
+def test_test_sh_refuses_a_worker_count_that_is_not_a_whole_number_in_one_line(workers):
+    result = _test_sh("tests/core/test_hashing.py", PKSAMPLER_TEST_WORKERS=workers)
+    assert result.returncode == 2 and "passed" not in result.stdout
+    assert result.stderr.strip() == (f"PKSAMPLER_TEST_WORKERS={workers}: must be a whole number of xdist workers "
+                                     "(0: none, one process)")
+
+
+@pytest.mark.launcher  # two nested pytest sessions through the script (~30 s): not the edit loop's tier
+def test_test_sh_runs_in_one_process_when_xdist_is_off_and_in_workers_otherwise():
+    """``-p no:xdist`` (pdb, -s) was passed on beside ``-n 2``, which pytest then refused as unknown."""
+    for args, workers, spread in ((("-p", "no:xdist"), "2", False), ((), "1", True)):
+        result = _test_sh(*args, "tests/core/test_hashing.py", "-q", "-k", "splitmix", PKSAMPLER_TEST_WORKERS=workers)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert re.search(r"\b1 passed\b", result.stdout), result.stdout[-2000:]
+        assert ("bringing up nodes" in result.stdout) == spread, (args, workers, result.stdout[-2000:])

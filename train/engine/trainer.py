@@ -74,6 +74,31 @@ class HookBase:
         return ()
 
 
+#: what a part of :attr:`StepParts.shared` implements, the sharded-state protocol (docs/sharded-head.md)
+SHARED_PROTOCOL = ("num_rows", "set_world", "range_state", "load_range", "load_initial")
+
+
+def checked_shares(hook: HookBase, shared: Sequence[Any]) -> tuple[Any, ...]:
+    """``hook.shares()``, each part checked for the sharded-state protocol and against ``shared`` (the parts
+    shared so far): a part lacking a member would fail only inside a Horovod elastic commit, and one shared twice
+    would get two handlers that each assemble it. Refused in one line naming the hook and the part."""
+    shares = hook.shares()
+    name = type(hook).__name__
+    if isinstance(shares, (str, bytes)) or not isinstance(shares, Iterable):
+        raise TypeError(f"{name}.shares() must return a sequence of parts, got {shares!r}")
+    shares = tuple(shares)
+    for index, part in enumerate(shares):
+        if any(part is other for other in (*shared, *shares[:index])):
+            raise ValueError(f"{name}.shares(): shares {type(part).__name__} twice (it is already a shared part; "
+                             "one handler per part assembles it)")
+        missing = [member for member in SHARED_PROTOCOL if not hasattr(part, member)
+                   or member != "num_rows" and not callable(getattr(part, member))]
+        if missing:
+            raise TypeError(f"{name}.shares(): {type(part).__name__} lacks {', '.join(missing)} (the sharded-state "
+                            f"protocol: {', '.join(SHARED_PROTOCOL)}, docs/sharded-head.md)")
+    return shares
+
+
 class TrainingDiverged(RuntimeError):
     """The loss, the embeddings or the parameters became NaN or infinite; the message names the step.
 
@@ -193,11 +218,13 @@ class Trainer:
         """Append ``hooks``; each is called after those registered before it. The parts each one
         :meth:`~HookBase.shares` join :attr:`StepParts.shared`."""
         added = list(hooks)
+        shared = tuple(self.parts.shared) if self.parts is not None else ()
+        for hook in added:
+            shared += checked_shares(hook, shared)
         for hook in added:
             hook.trainer = self
-            shares = tuple(hook.shares())
-            if shares:  # most hooks own none (and a loop may run without step parts)
-                self.parts.shared = (*self.parts.shared, *shares)
+        if self.parts is not None and len(shared) > len(self.parts.shared):  # most hooks share nothing
+            self.parts.shared = shared
         self.hooks.extend(added)
 
     @property

@@ -58,7 +58,7 @@ class HeadedLoss(torch.nn.Module):
     def from_config(cls, config: "RunConfig", collectives: Any, pair: Any, *, num_classes: int,
                     world: World | None = None, gathered: bool = True, elastic: bool = False) -> "HeadedLoss":
         """The pair loss ``pair`` plus the head that ``head:`` configures, this rank's range of its C rows in
-        ``world`` (None: the collectives' rank and size, loss scale 1).
+        ``world`` (None: the world the collectives carry, :meth:`World.of`: a backend's with its loss scale).
 
         ``gathered``: the trainer all-gathers the embeddings (needed by a head at more than one rank, and under
         Horovod elastic, whose world may grow).
@@ -67,7 +67,7 @@ class HeadedLoss(torch.nn.Module):
         if (collectives.size > 1 or elastic) and not gathered:
             raise ConfigError("head.name: a sharded head needs train.gather_embeddings: true (every rank's rows see "
                               "the global batch)")
-        world = world if world is not None else World(rank=collectives.rank, size=collectives.size)
+        world = world if world is not None else World.of(collectives)
         module = ShardedMarginHead(num_classes, config.model.embedding_dim, collectives, name=head.name,
                                    scale=head.scale, margin=head.margin, negatives=head.negatives,
                                    subcentres=head.subcentres, softmax_steps=head.softmax_steps,
@@ -131,6 +131,7 @@ class HeadedLoss(torch.nn.Module):
     def saved_copy(self, saved: dict[str, Any]) -> tuple[dict[str, Any], RangeCopy]:
         """:meth:`state_dict`'s whole head as :meth:`range_state` gives a range: the dense state and one copy
         of every row (rank 0 of a resumed job, the one that read the checkpoint)."""
+        self.head.check_whole(saved["head"])
         head = dict(saved["head"])
         rows, momentum = head.pop("rows"), head.pop("momentum")
         if not head.get("momentum_of_own_loss"):

@@ -34,8 +34,8 @@ class BNNeck(nn.Module):
 
     def __init__(self, dim: int, *, grad_divisor: float = 1.0) -> None:
         super().__init__()
-        if grad_divisor <= 0:
-            raise ValueError(f"grad_divisor must be positive, got {grad_divisor}")
+        if not 0 < grad_divisor < float("inf"):  # a NaN fails this test too
+            raise ValueError(f"BNNeck(grad_divisor=) must be a finite number > 0, got {grad_divisor!r}")
         # running statistics are never used: retrieval reads the embeddings before the neck
         self.norm = nn.BatchNorm1d(dim, track_running_stats=False)
         self.norm.bias.requires_grad_(False)

@@ -119,7 +119,7 @@ class ShardedMarginHead(torch.nn.Module):
             margin, when the margin head does not converge from scratch).
         seed: keys the initial rows and the negative draw.
         world: the rank's :class:`~pksampler.world.World` (its range, and the gradient scale the trainer's loss
-            carries); None: the collectives' rank and size, scale 1.
+            carries); None: the world the collectives carry (:meth:`World.of`; a backend's, with its loss scale).
         loss_weight: what the caller multiplies this head's loss by (``head.weight``): divided out of the rows'
             gradient, so the weight balances the losses in the network's gradient only and the rows learn at
             their own rate.
@@ -143,7 +143,7 @@ class ShardedMarginHead(torch.nn.Module):
         self.softmax_steps, self.margin_ramp_steps = softmax_steps, margin_ramp_steps
         self.num_classes, self.dim, self.collectives, self.seed = num_classes, dim, collectives, seed
         self.loss_weight = loss_weight
-        world = world if world is not None else World(rank=collectives.rank, size=collectives.size)
+        world = world if world is not None else World.of(collectives)
         self.lo, self.hi = shard_range(num_classes, world.size, world.rank)
         self.gradient_scale = world.loss_scale  # the factor the trainer's loss carries into backward (Horovod: W)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
@@ -317,16 +317,25 @@ class ShardedMarginHead(torch.nn.Module):
                 "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim,
                 "log_decay": self.decay.log.clone(), "momentum_of_own_loss": True}
 
+    def check_whole(self, saved: dict[str, Any]) -> None:
+        """Refuse, in one line naming the field, a :meth:`whole_state` (a checkpoint's, maybe edited by hand) that
+        this head cannot take whole: rows and momentum of shape (C, k, D) (a smaller momentum would broadcast over
+        every class), a 1-D decay log."""
+        shape = (self.num_classes, self.subcentres, self.dim)
+        for field in ("rows", "momentum"):
+            if tuple(saved[field].shape) != shape:
+                raise ValueError(f"the checkpoint's head has {field} of shape {tuple(saved[field].shape)}, this "
+                                 f"run's {shape} (head.subcentres, model.embedding_dim and the classes must match)")
+        if saved["log_decay"].dim() != 1 or saved["log_decay"].numel() < 1:
+            raise ValueError(f"the checkpoint's head has a log_decay of shape {tuple(saved['log_decay'].shape)}, "
+                             "expected one value per step taken (1-D, at least the start)")
+
     def load_whole(self, saved: dict[str, Any]) -> None:
         """:meth:`whole_state`'s head, this rank's range of it. A head saved before the rows stepped on their
         own loss (no ``momentum_of_own_loss``) holds momentum of ``head.weight`` × that loss: divided back, so
         it continues in the units of the rule now in force."""
-        shape = (self.num_classes, self.subcentres, self.dim)
-        rows = saved["rows"]
-        if tuple(rows.shape) != shape:
-            raise ValueError(f"the checkpoint's head has rows of shape {tuple(rows.shape)}, this run's {shape} "
-                             "(head.subcentres, model.embedding_dim and the classes must match)")
-        self.rows.copy_(rows[self.lo:self.hi])
+        self.check_whole(saved)
+        self.rows.copy_(saved["rows"][self.lo:self.hi])
         momentum = saved["momentum"][self.lo:self.hi]
         self.momentum.copy_(momentum if saved.get("momentum_of_own_loss") else momentum / self.loss_weight)
         self.step = int(saved["step"])

@@ -50,6 +50,11 @@ class SparseRowSGD:
                  weight_decay: float = 0.0) -> None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0 or lr == float("inf"):
             raise ValueError(f"SparseRowSGD(lr=) expects a finite number > 0, got {lr!r}")
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not (
+                0 <= weight_decay and lr * weight_decay < 1):
+            # the lazy decay keeps log(1 − lr·λ): at lr·λ >= 1 (or NaN) a row reads NaN at its next step
+            raise ValueError(f"SparseRowSGD(weight_decay=) expects a number >= 0 whose product with lr={lr!r} is "
+                             f"below 1, got {weight_decay!r}")
         self.head, self.momentum, self.weight_decay = head, momentum, weight_decay
         self.lr = float(lr)  # the rows' peak rate: scheduled_step(f) steps at lr·f (f: the run's schedule factor)
 

@@ -328,6 +328,13 @@ def test_a_store_that_never_answers_fails_within_the_commands_own_bound(tmp_path
     ("Generic S3 error: Error performing GET http://127.0.0.1:9000/bucket/pack/manifest.json: status code: 404 "
      "Not Found", "no such object or bucket"),
     ("Generic S3 error: ... <Code>AccessDenied</Code>", "access denied"),
+    # the request's address holds the key: images filed by class id put a status-like number in it
+    ("Generic S3 error: Error performing GET http://127.0.0.1:40443/bucket/pack/train/404/0001.jpg in 2.1s - "
+     "HTTP error: error sending request", "the store did not answer"),
+    ("Generic S3 error: Error performing PUT http://127.0.0.1:40443/bucket/pack/403/x.json in 2.1s - "
+     "HTTP error: error sending request", "the store did not answer"),
+    ("Generic S3 error: Error performing GET http://127.0.0.1:9000/bucket/pack/404/manifest.json - Client error "
+     "with status 404 Not Found: <Code>NoSuchKey</Code>", "no such object or bucket"),
 ])
 def test_an_http_status_is_read_as_a_word_not_as_digits_inside_a_duration(text, reason):
     from pksampler.datasets.objectstore import ObjectStore

@@ -180,13 +180,55 @@ def test_the_loop_calls_hooks_in_order_and_puts_every_step_in_the_storage():
 
 def test_hooks_run_in_registration_order_and_the_shares_they_own_join_the_shared_parts():
     a, b, c = Recorder(), Recorder(), Recorder()
-    table = object()
+    table = Table()
     b.shares = lambda: (table,)  # a hook that keeps a sharded table of its own
     trainer = make_trainer([a])
     before = tuple(trainer.parts.shared)
     trainer.register([b, c])
     assert trainer.hooks == [a, b, c] and all(hook.trainer is trainer for hook in (a, b, c))
     assert tuple(trainer.parts.shared) == (*before, table)  # Trainer.set_world and Horovod elastic carry it
+
+
+class Table:
+    """The sharded-state protocol's members (docs/sharded-head.md), none of them called here."""
+
+    num_rows = 4
+
+    def set_world(self, world) -> None: ...
+
+    def range_state(self): ...
+
+    def load_range(self, dense, fill) -> None: ...
+
+    def load_initial(self) -> None: ...
+
+
+class NoRangeState(Table):
+    range_state = None  # not callable: as if the method were missing
+
+
+@pytest.mark.parametrize("junk, error, rule", [
+    ("none", TypeError, r"Recorder\.shares\(\) must return a sequence of parts, got None"),
+    ("missing", TypeError, r"NoRangeState.* lacks range_state \(the sharded-state protocol"),
+    ("object", TypeError, r"object.* lacks num_rows, set_world, range_state, load_range, load_initial"),
+    ("twice", ValueError, r"shares .*Table.* twice"),
+    ("loss", ValueError, r"shares .*SquaredDistance.* twice"),
+])
+def test_a_hook_whose_shares_are_junk_is_refused_at_registration_in_one_line(junk, error, rule):
+    """What a hook shares is committed and re-assembled by Horovod elastic's handlers, where a missing method
+    would fail mid-commit on every rank: the trainer checks each part at registration, before anything changes,
+    and refuses a part shared twice (two handlers would assemble one table)."""
+    trainer = make_trainer([Recorder()])
+    trainer.parts.shared = (trainer.parts.loss_fn,)  # the head's loss, as the application shares it
+    before, hooks = tuple(trainer.parts.shared), list(trainer.hooks)
+    table = Table()
+    hook = Recorder()
+    hook.shares = lambda: {"none": None, "missing": (table, NoRangeState()), "object": (object(),),
+                           "twice": (table, table), "loss": (trainer.parts.loss_fn,)}[junk]
+    with pytest.raises(error, match=rule) as refused:
+        trainer.register([hook])
+    assert "\n" not in str(refused.value)
+    assert tuple(trainer.parts.shared) == before and trainer.hooks == hooks
 
 
 def test_a_rank_0_hook_is_built_and_called_only_while_its_process_is_rank_0():

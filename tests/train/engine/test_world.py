@@ -18,6 +18,7 @@ from pksampler.samplers import DistributedBalancedBatchSampler
 from pksampler.train.engine.elastic import HorovodElasticMode, SamplerHandler, choose_run_mode
 from pksampler.train.engine.mode import RunMode
 from pksampler.train.engine.trainer import HookBase, StepParts, Trainer
+from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range
 from pksampler.train.runtime.distributed import Backend
@@ -40,6 +41,10 @@ def _sampler(size: int, rank: int) -> DistributedBalancedBatchSampler:
     ({"local_size": 0}, r"World\(local_size=\) expects a positive int, got 0"),
     ({"loss_scale": 0.0}, r"World\(loss_scale=\) expects a finite number > 0, got 0.0"),
     ({"loss_scale": True}, r"World\(loss_scale=\) expects a finite number > 0, got True"),
+    ({"loss_scale": float("nan")}, r"World\(loss_scale=\) expects a finite number > 0, got nan"),
+    ({"loss_scale": -2.0}, r"World\(loss_scale=\) expects a finite number > 0, got -2.0"),
+    ({"loss_scale": float("inf")}, r"World\(loss_scale=\) expects a finite number > 0, got inf"),
+    ({"loss_scale": "2"}, r"World\(loss_scale=\) expects a finite number > 0, got '2'"),
 ])
 def test_a_bad_world_is_refused_naming_the_argument_the_value_and_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -189,3 +194,28 @@ def test_the_main_rank_hooks_follow_the_mode():
     (held,) = elastic.main_only([HookBase])  # elastic: held by every rank, built by whichever is rank 0
     assert held.hook is None
 
+
+
+@pytest.mark.parametrize("divisor", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_neck_refuses_a_gradient_divisor_that_is_not_a_finite_positive_number(divisor):
+    """A NaN divisor passed ``<= 0`` and turned the neck's gradient into NaN at the first step."""
+    with pytest.raises(ValueError, match=r"BNNeck\(grad_divisor=\) must be a finite number > 0, got"):
+        BNNeck(4, grad_divisor=divisor)
+
+
+def test_a_head_built_without_a_world_takes_the_one_its_backend_carries_with_the_loss_scale():
+    """Under Horovod the backend's world scales the gathered loss by W: a head (and its loss's neck) built on that
+    backend without a world divided its gradient by 1, W times too large."""
+    class Scaling(Backend):
+        scales_gathered_loss = True  # Horovod's rule: the gathered loss is multiplied by W
+
+    backend = Scaling("cpu", "fp32")
+    backend.set_world(World(rank=1, size=3))
+    config = load_config(overrides=["head.name=cosface", "head.bnneck=true", "model.embedding_dim=4"])
+    loss = HeadedLoss.from_config(config, backend, torch.nn.Identity(), num_classes=20)
+    head = ShardedMarginHead(20, 4, backend)
+    assert backend.world.loss_scale == 3.0
+    assert head.gradient_scale == loss.head.gradient_scale == loss.neck.grad_divisor == 3.0
+    assert (head.lo, head.hi) == shard_range(20, 3, 1)
+    plain = ShardedMarginHead(20, 4, SimpleNamespace(rank=1, size=3))  # no world carried: its rank and size
+    assert plain.gradient_scale == 1.0 and (plain.lo, plain.hi) == (head.lo, head.hi)

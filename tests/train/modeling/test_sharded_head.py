@@ -537,3 +537,39 @@ def test_the_margin_free_loss_holds_when_the_margin_raises_a_far_target_above_ev
     plain = float(F.cross_entropy(300.0 * embeddings @ rows.T, labels))  # ≈ 150.7
     for value in run_ranks(world, work):
         assert value == pytest.approx(plain, rel=1e-6)
+
+
+@pytest.mark.parametrize("edit", ["momentum_broadcasts", "momentum_short", "log_decay_2d"])
+def test_a_hand_edited_checkpoints_head_is_refused_in_one_line_by_both_loaders(edit):
+    """A head state whose momentum has not the rows' shape (one row that would broadcast over every class, or too
+    few rows) or whose decay log is not a 1-D series is refused naming the field, by the checkpoint's loader and by
+    the copy a resumed elastic job hands out (:meth:`HeadedLoss.saved_copy`), before any row is written."""
+    saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group)).state_dict())
+    edited = {**saved, "head": dict(saved["head"])}
+    edited["head"].update({"momentum_broadcasts": {"momentum": torch.ones(1, 1, D)},
+                           "momentum_short": {"momentum": torch.ones(C - 1, 1, D)},
+                           "log_decay_2d": {"log_decay": torch.zeros(1, 1, dtype=torch.float64)}}[edit])
+    field = "log_decay" if edit == "log_decay_2d" else "momentum"
+
+    def load(group):
+        loss = HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group))
+        before = loss.head.rows.clone()
+        with pytest.raises(ValueError, match=f"the checkpoint's head.*{field}") as refused:
+            loss.load_state_dict(edited)
+        with pytest.raises(ValueError, match=f"the checkpoint's head.*{field}"):
+            loss.saved_copy(edited)
+        return str(refused.value), torch.equal(loss.head.rows, before)
+
+    message, untouched = run_ranks(1, load)[0]
+    assert "\n" not in message and untouched
+
+
+@pytest.mark.parametrize("weight_decay", [10.0, 20.0, -0.1, float("nan"), float("inf"), True])
+def test_the_row_optimizer_refuses_a_decay_that_the_lazy_log_cannot_hold(weight_decay):
+    """lr·λ >= 1 took log1p(−lr·λ) = −inf or NaN into the decay log: every row read NaN at its next step (the
+    config's loader refuses it with the head's numbers; the optimizer built by hand did not)."""
+    head, = run_ranks(1, lambda group: ShardedMarginHead(C, D, group))
+    with pytest.raises(ValueError, match=r"SparseRowSGD\(weight_decay=\) expects a number >= 0 whose product with "
+                                         r"lr=0.1 is below 1, got"):
+        SparseRowSGD(head, lr=0.1, weight_decay=weight_decay)
+    SparseRowSGD(head, lr=0.1, weight_decay=9.9)  # lr·λ = 0.99: a valid (if fierce) decay
