@@ -43,7 +43,11 @@ class SeaweedServer:
         (folder / "s3.json").write_text(json.dumps({"identities": [{
             "name": "tester", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-        self.master, self.volume, self.filer, self.s3, self.admin, self.debug = _free_ports(6)
+        # weed's gRPC ports default to each HTTP port + 10000: another test worker's server (or any process) may
+        # hold that one, and past 55535 it is no port at all, so each is a free port of its own too (drawn at once)
+        ports = _free_ports(11)
+        self.master, self.volume, self.filer, self.s3, self.admin, self.debug = ports[:6]
+        self.grpc = dict(zip(("master", "volume", "filer", "s3", "admin"), ports[6:]))
         self.process: subprocess.Popen | None = None
 
     @property
@@ -62,7 +66,8 @@ class SeaweedServer:
                    "-master.telemetry=false", "-webdav=false", "-admin.ui=false", f"-master.port={self.master}",
                    f"-volume.port={self.volume}", f"-filer.port={self.filer}", f"-s3.port={self.s3}",
                    f"-admin.port={self.admin}", f"-debug.port={self.debug}", "-s3.port.iceberg=0",
-                   "-s3.port.lance=0", f"-s3.config={self.folder / 's3.json'}"]
+                   "-s3.port.lance=0", f"-s3.config={self.folder / 's3.json'}",
+                   *(f"-{server}.port.grpc={port}" for server, port in self.grpc.items())]
         log = open(self.folder / "weed.log", "ab")
         started = time.monotonic()
         self.process = spawn(command, kind="s3 server", outlives_test=True, stdout=log, stderr=subprocess.STDOUT)
