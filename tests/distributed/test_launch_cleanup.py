@@ -34,6 +34,13 @@ SCENARIOS = [("torchrun", signal.SIGINT), ("horovodrun", signal.SIGTERM), ("torc
              ("horovodrun", signal.SIGKILL)]
 
 
+def _interruptible() -> None:
+    """In the inner pytest's process, before it starts: Ctrl-C as at a terminal. A suite started in the background
+    (``nohup make test &``, a CI runner's script) inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt; the scenario is a user's Ctrl-C, so the inner pytest starts with the default action."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_inner(folder: Path, launcher: str) -> tuple[subprocess.Popen, Path]:
     """A pytest running one launched test in ``folder``; returns it and the folder its ranks write pids to."""
     pids = folder / "pids"
@@ -45,7 +52,8 @@ def start_inner(folder: Path, launcher: str) -> tuple[subprocess.Popen, Path]:
                "--rootdir", str(folder)]
     log = open(folder / "pytest.log", "w", encoding="utf-8")
     try:
-        return spawn(command, kind="pytest", cwd=folder, stdout=log, stderr=subprocess.STDOUT), pids
+        return spawn(command, kind="pytest", cwd=folder, stdout=log, stderr=subprocess.STDOUT,
+                     preexec_fn=_interruptible), pids
     finally:
         log.close()
 
