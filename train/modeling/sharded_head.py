@@ -321,16 +321,22 @@ class ShardedMarginHead(torch.nn.Module):
         """:meth:`whole_state`'s head, this rank's range of it. A head saved before the rows stepped on their
         own loss (no ``momentum_of_own_loss``) holds momentum of ``head.weight`` × that loss: divided back, so
         it continues in the units of the rule now in force."""
-        shape = (self.num_classes, self.subcentres, self.dim)
         rows = saved["rows"]
-        if tuple(rows.shape) != shape:
-            raise ValueError(f"the checkpoint's head has rows of shape {tuple(rows.shape)}, this run's {shape} "
-                             "(head.subcentres, model.embedding_dim and the classes must match)")
+        self.check_saved(saved, tuple(rows.shape))
         self.rows.copy_(rows[self.lo:self.hi])
         momentum = saved["momentum"][self.lo:self.hi]
         self.momentum.copy_(momentum if saved.get("momentum_of_own_loss") else momentum / self.loss_weight)
         self.step = int(saved["step"])
         self.decay.load(saved["log_decay"])
+
+    def check_saved(self, saved: dict[str, Any], shape: tuple[int, ...] | None = None) -> None:
+        """Refuse a saved head (``shape``: its rows'; else its recorded classes, subcentres and dimension) whose
+        rows are not this head's, naming both shapes."""
+        mine = (self.num_classes, self.subcentres, self.dim)
+        shape = shape if shape is not None else (saved.get("num_classes"), saved.get("subcentres"), saved.get("dim"))
+        if tuple(shape) != mine:
+            raise ValueError(f"the checkpoint's head has rows of shape {tuple(shape)}, this run's {mine} "
+                             "(head.subcentres, model.embedding_dim and the classes must match)")
 
     def range_state(self) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the head's state but its rows and momentum
