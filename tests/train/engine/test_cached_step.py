@@ -162,8 +162,6 @@ def test_chunk_size_is_checked():
 
 def test_a_chunked_run_resumed_mid_epoch_ends_where_an_uninterrupted_one_does(tmp_path):
     from pksampler.train.engine.checkpoint import load_checkpoint
-    from pksampler.train.losses.headed import whole_loss_state
-    from pksampler.train.modeling.range_checkpoint import located
     from pksampler.train.run_setup import train
 
     def run(workspace: str, steps: int) -> None:
