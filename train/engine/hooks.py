@@ -29,7 +29,9 @@ from pksampler.train.engine.events import EventStorage
 from pksampler.train.losses.mining import mine_class_neighbours
 from pksampler.train.errors import ConfigError
 from pksampler.train.engine.trainer import HookBase, RowWriter, TrainingDiverged, divergence_advice
+from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.modeling.range_checkpoint import write_ranges
+from pksampler.train.runtime.workspace import writing
 
 __all__ = [
     "BadImageHook",
@@ -159,8 +161,13 @@ class CheckpointHook(HookBase):
         if self.folder is None:
             return None
         checkpoint, step, backend = self.folder / name, self.trainer.state.global_step, self.trainer.parts.backend
-        return lambda part, rows, own: write_ranges(checkpoint, part, own, num_rows=rows, step=step,
-                                                    collectives=backend)
+
+        def write_rows(part: str, rows: int, own: RangeCopy) -> dict[str, Any]:
+            # a full disk on any rank: one line on every rank (the files of the checkpoint on disk are untouched)
+            with writing(checkpoint.with_suffix(".shared"), f"; the previous {name} is intact"):
+                return write_ranges(checkpoint, part, own, num_rows=rows, step=step, collectives=backend)
+
+        return write_rows
 
     def before_train(self) -> None:
         if self.max_steps is not None and self.trainer.state.global_step >= self.max_steps:

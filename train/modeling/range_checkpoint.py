@@ -83,7 +83,7 @@ def write_ranges(checkpoint: Path, part: str, own: RangeCopy, *, num_rows: int, 
     error, values = None, [own.lo, own.hi, 0, 0]
     try:
         values[2:] = _write_own(folder, own)
-    except OSError as caught:
+    except (OSError, RuntimeError) as caught:  # torch.save's stream writer reports a full disk as RuntimeError
         error = OSError(f"{folder / f'rows-{own.lo}-{own.hi}.pt'} could not be written: {caught}")
     outcomes = gather_outcomes(collectives, error, values)
     if outcomes.failed:

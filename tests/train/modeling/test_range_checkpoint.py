@@ -16,6 +16,7 @@ from test_sharded_head import C, D, TRACE_SPEC, _CentreDistance, head_steps, run
 from pksampler.agree import raise_together  # noqa: E402
 from pksampler.train.losses.headed import HeadedLoss, saved_rows, whole_loss_state  # noqa: E402
 from pksampler.train.modeling import range_checkpoint  # noqa: E402
+from pksampler.train.modeling.head_replicas import RangeCopy  # noqa: E402
 from pksampler.train.modeling.range_checkpoint import RangeFileError, located, write_ranges  # noqa: E402
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
 from pksampler.train.solver.sparse_rows import SparseRowSGD  # noqa: E402
@@ -135,3 +136,26 @@ def test_older_step_folders_are_dropped_once_a_newer_checkpoint_is_durable(tmp_p
         (checkpoint.with_suffix(".shared") / "loss" / f"step-{step}").mkdir(parents=True)
     range_checkpoint.drop_older(checkpoint, 4)
     assert sorted(p.name for p in (checkpoint.with_suffix(".shared") / "loss").iterdir()) == ["step-4", "step-6"]
+
+
+def test_a_rank_that_cannot_write_its_range_fails_every_rank_naming_its_file_and_no_manifest_is_written(
+        tmp_path, monkeypatch):
+    original = range_checkpoint._write_own
+
+    def full_disk_on_rank_1(folder, own):
+        if own.lo:
+            raise OSError(28, "No space left on device")
+        return original(folder, own)
+
+    monkeypatch.setattr(range_checkpoint, "_write_own", full_disk_on_rank_1)
+
+    def work(group):
+        lo, hi = shard_range(C, 2, group.rank)
+        own = RangeCopy(lo, hi, (torch.zeros(hi - lo, 1, D),))
+        write_ranges(tmp_path / "last.pt", "loss", own, num_rows=C, step=1, collectives=group)
+
+    errors = run_ranks_errors(2, work)
+    assert all(isinstance(error, OSError) for error in errors), errors
+    assert str(errors[0]) == str(errors[1]) and re.search(r"step-1/rows-25-50\.pt could not be written: .*No space",
+                                                          str(errors[0]))
+    assert not (tmp_path / "last.shared" / "loss" / "step-1" / "manifest.json").exists()
