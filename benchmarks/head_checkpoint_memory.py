@@ -8,9 +8,9 @@ A rank builds its share of a C × 128 fp32 head and its momentum, takes one
 ArcFace step, then builds the loss's checkpoint state as the trainer does and
 writes it into a shared folder:
 
-* ``ranges``: ``range_state()`` and :func:`~pksampler.train.modeling.range_checkpoint.write_ranges`
-  (``Trainer.state_dict(write_rows=...)``): every rank writes a host copy of
-  its own range, rank 0 the manifest and the dense state;
+* ``ranges``: ``range_state(copy=False)`` and :func:`~pksampler.train.modeling.range_checkpoint.write_ranges`
+  (``Trainer.state_dict(write_rows=...)``): every rank writes its own range
+  (on the CPU, the live rows: no copy), rank 0 the manifest and the dense state;
 * ``root``: ``state_dict()``: rows and momentum reach rank 0 in blocks of
   64 MiB per collective and rank 0 writes the whole head in one file.
 
@@ -44,7 +44,7 @@ def worker(args: argparse.Namespace) -> None:
     before = _rss()
     checkpoint = Path(args.folder) / "last.pt"
     if args.mode == "ranges":
-        dense, own = loss_fn.range_state()
+        dense, own = loss_fn.range_state(copy=False)
         state = {**dense, "ranges": write_ranges(checkpoint, "loss", own, num_rows=loss_fn.num_rows, step=1,
                                                  collectives=backend)}
         del own

@@ -316,7 +316,7 @@ class Trainer:
         loss = self.parts.loss_fn
         if write_rows is None or not any(part is loss for part in self.parts.shared):
             return loss.state_dict()
-        dense, own = loss.range_state()
+        dense, own = loss.range_state(copy=False)  # written now, before the loop moves them: no host copy
         return {**dense, "ranges": write_rows("loss", loss.num_rows, own)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:

@@ -146,10 +146,11 @@ class HeadedLoss(torch.nn.Module):
         """For a new world with no committed step: the initial rows of this rank's range."""
         self.head.load_initial()
 
-    def range_state(self) -> tuple[dict[str, Any], RangeCopy]:
+    def range_state(self, *, copy: bool = True) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the dense state (pair loss, neck, the head's
-        step and decay log; the same on every rank) and a host copy of this rank's rows and momentum."""
-        meta, own = self.head.range_state()
+        step and decay log; the same on every rank) and a host copy of this rank's rows and momentum (with
+        ``copy=False``, rows on the host already are the live ones: a checkpoint writes them at once)."""
+        meta, own = self.head.range_state(copy=copy)
         dense = {"pair": self.pair.state_dict(), "head": meta}
         if self.neck is not None:
             dense["neck"] = self.neck.state_dict()
