@@ -51,7 +51,9 @@ from pksampler.train.config.load import RunConfig, load_config  # noqa: E402
 from pksampler.train.evaluation.collapse import collapse_metrics  # noqa: E402
 from pksampler.train.evaluation.heldout import embed  # noqa: E402
 from pksampler.train.evaluation.metrics import retrieval_metrics  # noqa: E402
+from pksampler.train.losses.headed import saved_rows  # noqa: E402
 from pksampler.train.modeling.model import build_model  # noqa: E402
+from pksampler.train.modeling.range_checkpoint import located  # noqa: E402
 from pksampler.train.runtime.distributed import Backend  # noqa: E402
 
 ARMS = ("pair", "head", "head+pair")
@@ -116,7 +118,7 @@ def row_norms(loss_state: dict[str, Any] | None, train_classes: np.ndarray) -> d
     """Lengths of the head's rows of the training classes (the rows are normalised only in the forward pass)."""
     if not loss_state or "head" not in loss_state:
         return {}
-    rows = loss_state["head"]["rows"][torch.from_numpy(train_classes)]
+    rows = saved_rows(loss_state, train_classes)  # from the range files beside the checkpoint, or inside it
     norms = rows.float().norm(dim=-1).flatten().numpy()
     return {"row_norm_mean": float(norms.mean()), "row_norm_min": float(norms.min()),
             "row_norm_max": float(norms.max())}
@@ -124,7 +126,7 @@ def row_norms(loss_state: dict[str, Any] | None, train_classes: np.ndarray) -> d
 
 def evaluate_arm(config: RunConfig, checkpoint: Path, data: Any) -> dict[str, float]:
     """Retrieval, collapse metrics, the after-neck retrieval and the row norms of one arm's final model."""
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state = located(torch.load(checkpoint, map_location="cpu", weights_only=True), checkpoint)
     model = build_model(config.model)
     model.load_state_dict(state["model"])
     labels = np.asarray(data.test.labels)

@@ -43,3 +43,14 @@ def folder_keys() -> list[str]:
     tree = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "folder.yaml").read_text())
     return [f"{block}.{key}={json.dumps(value)}" for block in ("model", "loss", "head")
             for key, value in tree[block].items()]
+
+
+def read_trained(path) -> dict:
+    """A training checkpoint with its sharded head's rows inside (read from the range files beside it, when it
+    has them), so tests compare rows and momentum whichever layout wrote them."""
+    from pksampler.train.engine.checkpoint import load_checkpoint
+    from pksampler.train.losses.headed import whole_loss_state
+    from pksampler.train.modeling.range_checkpoint import located
+
+    state = located(load_checkpoint(path), path)
+    return {**state, "loss": whole_loss_state(state["loss"])}

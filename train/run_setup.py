@@ -23,6 +23,7 @@ Horovod elastic); every step below asks that mode and none branches on it.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -66,6 +67,7 @@ from pksampler.train.losses.memory import build_memory
 from pksampler.train.modeling.model import build_model
 from pksampler.train.engine.plots import save_curves_png
 from pksampler.train.modeling.pretrained import load_pretrained
+from pksampler.train.modeling.range_checkpoint import located
 from pksampler.train.engine.progress import Progress
 from pksampler.train.errors import ConfigError
 from pksampler.train.config.schema import RunConfig, TrainConfig
@@ -252,7 +254,7 @@ def _load_resume_state(config: RunConfig, backend: Backend, mode: RunMode) -> di
     state, error = None, None
     if config.train.resume and backend.rank == 0 and path.is_file():
         try:
-            state = load_checkpoint(path)
+            state = located(load_checkpoint(path), path)  # its range files' manifest, for every rank
             if state.get("format") != CHECKPOINT_FORMAT:
                 raise ConfigError(f"checkpoint {path} was written by another version of pksampler; "
                                   "start afresh with --no-resume or another WORKSPACE")
@@ -347,6 +349,7 @@ def _start_afresh(workspace: Path, log: EventLog, is_main: bool) -> None:
         for stale in (workspace / "checkpoints" / "last.pt", workspace / "checkpoints" / "best.pt",
                       workspace / "final_metrics.json"):
             stale.unlink(missing_ok=True)
+            shutil.rmtree(stale.with_suffix(".shared"), ignore_errors=True)
 
 
 def _tensorboard_wanted(setting: bool | None) -> bool:
@@ -388,8 +391,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         trainer = _trainer(config, parts)
         saved = _load_resume_state(config, backend, mode)
         continuation = None
-        if saved is not None:
-            _load_into(trainer, saved, Path(config.workspace))
+        if saved is not None:  # a rank that cannot read its range files fails every rank
+            mode.raise_together(_load_into(trainer, saved, Path(config.workspace)))
         elif config.train.init_from:
             continuation = _continue(config, parts, data, mode)
         elif config.model.pretrained:
@@ -419,15 +422,16 @@ def _continue(config: RunConfig, parts: StepParts, data: DataParts, mode: RunMod
                          agree=mode.raise_together)
 
 
-def _load_into(trainer: Trainer, saved: dict[str, Any], workspace: Path) -> None:
-    """The resumed state into the trainer; a checkpoint that does not fit this run is named."""
+def _load_into(trainer: Trainer, saved: dict[str, Any], workspace: Path) -> CheckpointError | None:
+    """The resumed state into the trainer; a checkpoint that does not fit this run: the error naming it."""
     try:
         trainer.load_state_dict(saved)
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         reason = " ".join(line.strip() for line in str(error).splitlines()[:2])[:300] or type(error).__name__
-        raise CheckpointError(f"checkpoint {workspace / 'checkpoints' / 'last.pt'} does not fit this run "
-                              f"({type(error).__name__}: {reason}); start afresh with --no-resume or another "
-                              "WORKSPACE") from None
+        return CheckpointError(f"checkpoint {workspace / 'checkpoints' / 'last.pt'} does not fit this run "
+                               f"({type(error).__name__}: {reason}); start afresh with --no-resume or another "
+                               "WORKSPACE")
+    return None
 
 
 def _open_log(config: RunConfig, backend: Backend, data: DataParts, trainer: Trainer, *, resumed: bool,

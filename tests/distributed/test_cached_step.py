@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from launch import ROOT, launch
+from tiny_runs import read_trained
 
 pytestmark = pytest.mark.horovod
 SCRIPT = ROOT / "train" / "retrieval.py"
@@ -40,7 +40,7 @@ def write_config(tmp_path: Path) -> Path:
 
 
 def checkpoint(workspace: Path) -> dict:
-    return torch.load(workspace / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    return read_trained(workspace / "checkpoints" / "last.pt")
 
 
 def max_difference(a: dict, b: dict) -> float:

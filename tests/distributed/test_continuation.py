@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 from launch import ROOT, launch
-from tiny_runs import TINY, grown_folders
+from tiny_runs import TINY, grown_folders, read_trained
 
 from pksampler.train.config.load import load_config
 
@@ -63,7 +63,7 @@ def test_two_ranks_continue_a_one_process_checkpoint_on_a_grown_folder(tmp_path)
         assert two[key] == pytest.approx(one[key], abs=1e-9), key
     # the head after the continuation and one step: the same rows at W = 2 as in one process (the BNNeck imprinted
     # each rank's block under its own statistics before: the rows changed with W)
-    rows = [torch.load(tmp_path / name / "checkpoints" / "last.pt", weights_only=True)["loss"]["head"]["rows"]
+    rows = [read_trained(tmp_path / name / "checkpoints" / "last.pt")["loss"]["head"]["rows"]
             for name in ("one", "two")]
     assert rows[0].shape == (32, 1, 16)
     assert torch.allclose(rows[0], rows[1], atol=2e-5, rtol=0), float((rows[0] - rows[1]).abs().max())

@@ -233,9 +233,9 @@ def _check_same_model(workspace: Path, reference: Path) -> None:
     """``last.pt`` at step 12 in both: the same model (and head rows and momentum, with a head) up to sum order."""
     import torch
 
-    from pksampler.train.engine.checkpoint import load_checkpoint
+    from tiny_runs import read_trained
 
-    got, want = (load_checkpoint(path / "checkpoints" / "last.pt") for path in (workspace, reference))
+    got, want = (read_trained(path / "checkpoints" / "last.pt") for path in (workspace, reference))
     assert got["state"]["global_step"] == want["state"]["global_step"] == 12
     pairs = {name: (got["model"][name], value) for name, value in want["model"].items()}
     if "head" in want["loss"]:

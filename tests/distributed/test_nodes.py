@@ -20,7 +20,7 @@ import torch
 import yaml
 from launch import (LAUNCHERS, ROOT, agent_command, finish_agent, free_port, kill_agent, launch, launch_agents,
                     start_agent, wait_for_port)
-from tiny_runs import folder_keys
+from tiny_runs import folder_keys, read_trained
 
 pytestmark = pytest.mark.horovod
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
@@ -67,7 +67,7 @@ def _audits(output: str) -> list[dict]:
 
 
 def _final(workspace: Path) -> dict:
-    return torch.load(workspace / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    return read_trained(workspace / "checkpoints" / "last.pt")  # the head's rows inside, from their range files
 
 
 def _tensors(tree, prefix: str = ""):
@@ -102,11 +102,16 @@ def test_each_host_counts_its_own_local_ranks_and_rank_zero_alone_writes(runs):
     assert all(a["deterministic_kernels"] for a in audits)
     if launcher == "horovodrun":
         assert all(a["fusion_threshold"] == "0" for a in audits)
-    # Rank 0 alone writes in the shared workspace; temporaries are named after their target.
+    # Rank 0 alone writes the workspace's files; every other rank writes only its own range of the head's rows
+    # beside a checkpoint (rank 0 writes their manifest). Temporaries are named after their target.
     written = [sorted({re.sub(r"^(.*/)?\.([^/]+)\.[^./]+\.tmp$", r"\1\2", path) for path in a["written"]})
                for a in audits]
     assert {"checkpoints/last.pt", "metrics.jsonl", "config.json", ".lock"} <= set(written[0]), written[0]
-    assert written[1:] == [[], [], []], written
+    own = re.compile(r"^checkpoints/(?:last|best)\.shared/loss/step-\d+/rows-(\d+-\d+)\.pt$")
+    ranges = [{own.match(path).group(1) if own.match(path) else path for path in paths} for paths in written[1:]]
+    assert all(len(mine) == 1 for mine in ranges), written  # each its own range, one file per checkpoint
+    names = [next(iter(mine)) for mine in ranges]
+    assert len(set(names)) == 3 and all(re.fullmatch(r"\d+-\d+", name) for name in names), written
     # The lock names the process that holds the workspace and its host.
     assert (workspace / ".lock").read_text().strip() == f"pid {audits[0]['pid']} on host {socket.gethostname()}"
     assert output.count(f"world=4") == 1  # one announcement, from rank 0

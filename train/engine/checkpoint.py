@@ -21,7 +21,7 @@ import pickle
 import sys
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -169,26 +169,27 @@ class CheckpointWriter:
 
     def __init__(self, *, background: bool = True) -> None:
         self.background = background
-        self._queued: dict[Path, dict[str, Any]] = {}
+        self._queued: dict[Path, tuple[dict[str, Any], Callable[[], None] | None]] = {}
         self._writing: Path | None = None
         self._failure: tuple[Path, BaseException] | None = None
         self._closed = False
         self._condition = threading.Condition()
         self._thread: threading.Thread | None = None
 
-    def save(self, path: str | os.PathLike, state: dict[str, Any]) -> None:
-        """Queue ``state`` for ``path`` (or write it now without a background thread)."""
+    def save(self, path: str | os.PathLike, state: dict[str, Any], *, then: Callable[[], None] | None = None) -> None:
+        """Queue ``state`` for ``path`` (or write it now without a background thread); ``then`` runs once it is
+        on disk (dropped with a queued state that a newer one replaces)."""
         self._raise_failure()
         path, snapshot = Path(path), host_copy(state)
         if not self.background:
-            self._write(path, snapshot)
+            self._write(path, snapshot, then)
             self._raise_failure()
             return
         with self._condition:
             if self._closed:
                 raise RuntimeError("CheckpointWriter.save after close")
             self._queued.pop(path, None)  # superseded: keep the queue in submission order
-            self._queued[path] = snapshot
+            self._queued[path] = (snapshot, then)
             self._condition.notify_all()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="pksampler-checkpoint", daemon=True)
@@ -222,18 +223,20 @@ class CheckpointWriter:
                 if not self._queued:
                     return
                 path = next(iter(self._queued))
-                state = self._queued.pop(path)
+                state, then = self._queued.pop(path)
                 self._writing = path
             try:
-                self._write(path, state)
+                self._write(path, state, then)
             finally:
                 with self._condition:
                     self._writing = None
                     self._condition.notify_all()
 
-    def _write(self, path: Path, state: dict[str, Any]) -> None:
+    def _write(self, path: Path, state: dict[str, Any], then: Callable[[], None] | None) -> None:
         try:
             save_checkpoint(path, state)
+            if then is not None:
+                then()
         except BaseException as error:  # noqa: BLE001 - kept and raised in the training thread
             with self._condition:
                 if self._failure is None:

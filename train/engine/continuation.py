@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -49,7 +50,8 @@ from pksampler.train.engine.checkpoint import (CheckpointError, check_training_c
                                               load_checkpoint)
 from pksampler.train.errors import ConfigError
 from pksampler.train.evaluation.heldout import embed_rows
-from pksampler.train.losses.headed import HeadedLoss
+from pksampler.train.losses.headed import HeadedLoss, saved_row_shape, saved_rows
+from pksampler.train.modeling.range_checkpoint import RangeFileError, located
 from pksampler.train.modeling.sharded_head import INIT_STD, ShardedMarginHead
 
 __all__ = ["ClassMatch", "Continuation", "class_record", "continue_from", "imprint_rows", "match_classes",
@@ -154,7 +156,7 @@ class Continuation:
 def _read(path: str) -> dict[str, Any]:
     """The checkpoint, mapped; refused in one line naming ``train.init_from`` when it cannot be continued."""
     try:
-        state = load_checkpoint(path, mmap=True)
+        state = located(load_checkpoint(path, mmap=True), Path(path))  # the head's range files, if it has them
         check_training_checkpoint(state, path)
     except CheckpointError as error:  # its advice is a resume's: the continued run's workspace is not at fault
         reason = _RESUME_ADVICE.sub("", str(error))
@@ -163,7 +165,7 @@ def _read(path: str) -> dict[str, Any]:
     if not isinstance(record, dict) or not isinstance(record.get("names"), list):
         raise ConfigError(f"train.init_from: {path} records no class names (written before checkpoints kept them); "
                           "classes are matched by name, never by code: continue from a newer checkpoint")
-    _check_record(record, state["loss"].get("head"), path)
+    _check_record(record, state["loss"] if "head" in state["loss"] else None, path)
     bad = count_non_finite(state["model"])
     if bad:
         raise ConfigError(f"train.init_from: {path} holds {bad} NaN or infinite model value(s) (a run that "
@@ -171,9 +173,11 @@ def _read(path: str) -> dict[str, Any]:
     return state
 
 
-def _check_record(record: dict[str, Any], head: Any, path: str) -> None:
+def _check_record(record: dict[str, Any], saved_loss: Any, path: str) -> None:
     """Refuse a class record that cannot be matched by name: names that are not distinct strings, trained codes
-    outside them, or a head whose rows are not one (subcentres, dimension) float block per name."""
+    outside them, or a head (``saved_loss``: the loss state holding it) whose rows are not one (subcentres,
+    dimension) float block per name."""
+    head = None if saved_loss is None or "ranges" in saved_loss else saved_loss["head"]
     names, trained = record["names"], record.get("trained", torch.zeros(0, dtype=torch.int64))
     problem = None
     if not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
@@ -181,6 +185,8 @@ def _check_record(record: dict[str, Any], head: Any, path: str) -> None:
     elif not isinstance(trained, torch.Tensor) or trained.dtype != torch.int64 or trained.dim() != 1 or (
             trained.numel() and not (0 <= int(trained.min()) and int(trained.max()) < len(names))):
         problem = f"its trained classes are not codes of its {len(names):,} names"
+    elif saved_loss is not None and "ranges" in saved_loss and saved_row_shape(saved_loss)[0] != len(names):
+        problem = f"its head's rows are not one block for each of its {len(names):,} names"
     elif head is not None and not (isinstance(head, dict) and isinstance(head.get("rows"), torch.Tensor)
                                    and head["rows"].is_floating_point() and head["rows"].dim() == 3
                                    and head["rows"].shape[0] == len(names)):
@@ -200,23 +206,27 @@ def _load_model(model: torch.nn.Module, saved: Any, path: str, part: str = "mode
                           "continue with the architecture it was trained with") from None
 
 
-def _load_kept_rows(head: ShardedMarginHead, saved_head: dict[str, Any] | None, saved_of: np.ndarray,
+def _load_kept_rows(head: ShardedMarginHead, saved_loss: dict[str, Any] | None, saved_of: np.ndarray,
                     path: str) -> torch.Tensor:
-    """Copy this rank's kept rows from the saved head; the local indices of the new rows."""
+    """Copy this rank's kept rows from the saved head (``saved_loss``: the loss state holding it; only the
+    range files that hold them are read); the local indices of the new rows."""
     local = saved_of[head.lo:head.hi]
     kept = np.flatnonzero(local >= 0)
-    if saved_head is not None and kept.size:
-        rows = saved_head["rows"]
-        if tuple(rows.shape[1:]) != (head.subcentres, head.dim):
-            raise ConfigError(f"train.init_from: {path}: its head rows are {tuple(rows.shape[1:])} (subcentres, "
+    if saved_loss is not None and kept.size:
+        shape = saved_row_shape(saved_loss)
+        if tuple(shape[1:]) != (head.subcentres, head.dim):
+            raise ConfigError(f"train.init_from: {path}: its head rows are {tuple(shape[1:])} (subcentres, "
                               f"dimension), this run's ({head.subcentres}, {head.dim}): head.subcentres and "
                               "model.embedding_dim must match")
-        taken = rows[torch.from_numpy(local[kept])]
+        try:
+            taken = saved_rows(saved_loss, local[kept])
+        except RangeFileError as error:
+            raise ConfigError(f"train.init_from: {error}") from None
         if not torch.isfinite(taken).all():
             raise ConfigError(f"train.init_from: {path}: its head holds NaN or infinite rows (a run that "
                               "diverged): continue from an earlier checkpoint of it")
         head.set_rows(torch.from_numpy(kept), taken)
-    elif saved_head is None:
+    elif saved_loss is None:
         kept = np.zeros(0, dtype=np.int64)
     return torch.from_numpy(np.setdiff1d(np.arange(local.size), kept))
 
@@ -313,7 +323,7 @@ def _take_saved(path: str, model: torch.nn.Module, loss_fn: Any, names: Sequence
     saved_loss = state["loss"]
     if loss_fn.neck is not None and "neck" in saved_loss:
         _load_model(loss_fn.neck, saved_loss["neck"], path, "head.bnneck's neck")
-    saved_head = saved_loss.get("head")
+    saved_head = saved_loss if "head" in saved_loss else None
     return record, match, _load_kept_rows(loss_fn.head, saved_head, match.saved_of, path), saved_head is not None
 
 

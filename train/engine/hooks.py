@@ -28,7 +28,10 @@ from pksampler.train.engine.checkpoint import count_non_finite
 from pksampler.train.engine.events import EventStorage
 from pksampler.train.losses.mining import mine_class_neighbours
 from pksampler.train.errors import ConfigError
-from pksampler.train.engine.trainer import HookBase, TrainingDiverged, divergence_advice
+from pksampler.train.engine.trainer import HookBase, RowWriter, TrainingDiverged, divergence_advice
+from pksampler.train.modeling.head_replicas import RangeCopy
+from pksampler.train.modeling.range_checkpoint import write_ranges
+from pksampler.train.runtime.workspace import writing
 
 __all__ = [
     "BadImageHook",
@@ -109,12 +112,18 @@ class CheckpointHook(HookBase):
     back to. A resume cuts ``metrics.jsonl`` back to ``last.pt``'s step; a
     checkpoint ahead of the log would lose the steps in between for good.
     ``best.pt`` (never resumed from; saved by rank 0 alone) takes no commit.
+
+    ``folder`` (the checkpoints' folder): a sharded head's rows are not
+    gathered to rank 0; every rank writes its own range beside the
+    checkpoint (``last.shared/``, :mod:`~pksampler.train.modeling.range_checkpoint`)
+    and the checkpoint refers to their manifest. None: the whole head inside.
     """
 
     def __init__(self, write: Callable[[str, dict[str, Any]], None], *, every: int, max_steps: int | None,
                  metadata: dict[str, Any] | None = None, is_main: MainRank = lambda: True,
-                 finish: Callable[[], None] | None = None, commit: Callable[[], None] | None = None) -> None:
-        self.write, self.every, self.max_steps = write, every, max_steps
+                 finish: Callable[[], None] | None = None, commit: Callable[[], None] | None = None,
+                 folder: Path | None = None) -> None:
+        self.write, self.every, self.max_steps, self.folder = write, every, max_steps, folder
         self.metadata, self.is_main, self.finish = dict(metadata or {}), is_main, finish
         self.commit = commit
 
@@ -142,9 +151,23 @@ class CheckpointHook(HookBase):
                                    f"kept): {divergence_advice(self.trainer.parts.optimizer)}")
 
     def _build_and_write(self, name: str) -> None:
-        state = self.trainer.state_dict()  # on every rank: a sharded head gathers its rows here
+        # on every rank: each writes its range of a sharded head's rows beside the checkpoint (``folder``)
+        state = self.trainer.state_dict(write_rows=self._row_writer(name))
         if self.is_main():
             self.write(name, {**self.metadata, **state})
+
+    def _row_writer(self, name: str) -> RowWriter | None:
+        """Each rank's writer of its rows of a shared part, beside checkpoint ``name`` in :attr:`folder`."""
+        if self.folder is None:
+            return None
+        checkpoint, step, backend = self.folder / name, self.trainer.state.global_step, self.trainer.parts.backend
+
+        def write_rows(part: str, rows: int, own: RangeCopy) -> dict[str, Any]:
+            # a full disk on any rank: one line on every rank (the files of the checkpoint on disk are untouched)
+            with writing(checkpoint.with_suffix(".shared"), f"; the previous {name} is intact"):
+                return write_ranges(checkpoint, part, own, num_rows=rows, step=step, collectives=backend)
+
+        return write_rows
 
     def before_train(self) -> None:
         if self.max_steps is not None and self.trainer.state.global_step >= self.max_steps:

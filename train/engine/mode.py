@@ -33,6 +33,7 @@ import torch
 
 from pksampler.train.config.agreement import raise_together
 from pksampler.train.engine.checkpoint import CheckpointWriter
+from pksampler.train.modeling.range_checkpoint import drop_older
 from pksampler.train.engine.hooks import CheckpointHook
 from pksampler.train.engine.trainer import HookBase, Trainer, TrainState
 from pksampler.train.engine.writers import EventWriter, JSONWriter, WriterHook
@@ -111,12 +112,16 @@ class RunMode:
     def _checkpoint_hook(self, writer: CheckpointWriter | None, workspace: Path, *, every: int,
                          max_steps: int | None, metadata: dict[str, Any],
                          commit: Callable[[], None] | None = None) -> CheckpointHook:
+        folder = workspace / "checkpoints"
+
         def write(name: str, checkpoint: dict[str, Any]) -> None:
             if writer is not None and self.is_main():
-                writer.save(workspace / "checkpoints" / name, checkpoint)
+                # once the file is durable, the range folders of earlier steps are no longer referenced
+                step = int(checkpoint["state"]["global_step"])
+                writer.save(folder / name, checkpoint, then=lambda: drop_older(folder / name, step))
 
         return CheckpointHook(write, every=every, max_steps=max_steps, metadata=metadata, is_main=self.is_main,
-                              finish=writer.close if writer is not None else None, commit=commit)
+                              finish=writer.close if writer is not None else None, commit=commit, folder=folder)
 
     def run(self, trainer: Trainer) -> TrainState:
         """Train to the end."""

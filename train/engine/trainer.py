@@ -27,6 +27,7 @@ import torch
 from pksampler.world import World
 
 from pksampler.train.engine.checkpoint import to_numpy
+from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
@@ -189,6 +190,11 @@ class StepParts:
         return self.gather and self.backend.size > 1
 
 
+#: a checkpoint's writer of a shared part's rows: ``(name, rows of the whole table, this rank's range)`` -> the
+#: reference the checkpoint keeps (:func:`pksampler.train.modeling.range_checkpoint.write_ranges`)
+RowWriter = Callable[[str, int, RangeCopy], dict[str, Any]]
+
+
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather embeddings (keeping gradients) and labels in one collective.
 
@@ -308,14 +314,19 @@ class Trainer:
                                            pin_memory=parts.backend.setup.pin_memory,
                                            generator=loader_generator(parts.seed, self.state.epoch, parts.backend.rank))
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self, *, write_rows: RowWriter | None = None) -> dict[str, Any]:
         """Everything a run needs to continue: model, optimizer, schedule, scaler, loss, loop and sampler state.
 
         Cheap: the tensors are the live ones (no copies), so a caller that
         keeps a snapshot while training goes on copies it (``torch.save``
         does). The sampler's part is its own ``state_dict`` at the loop's
         position, in global steps, so :meth:`load_state_dict` works at
-        another world size.
+        another world size. ``write_rows`` (a checkpoint; every rank calls
+        it): a loss that owns rows of a row-sharded table (one of
+        :attr:`StepParts.shared`) gives its dense state
+        (``range_state``) and ``ranges``, what ``write_rows(name, rows,
+        own)`` returns after writing this rank's range, instead of its
+        whole table (:mod:`~pksampler.train.modeling.range_checkpoint`).
         """
         parts = self.parts
         return {
@@ -323,11 +334,19 @@ class Trainer:
             "optimizer": parts.optimizer.state_dict(),
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
-            "loss": parts.loss_fn.state_dict(),
+            "loss": self._loss_state(write_rows),
             "state": self.state.to_dict(),
             "sampler": parts.sampler.state_dict(batches_consumed=self._iteration_done),
             "world_size": parts.backend.size,
         }
+
+    def _loss_state(self, write_rows: RowWriter | None) -> dict[str, Any]:
+        """The loss's checkpoint state: whole, or (``write_rows``, a shared part) dense with its ranges apart."""
+        loss = self.parts.loss_fn
+        if write_rows is None or not any(part is loss for part in self.parts.shared):
+            return loss.state_dict()
+        dense, own = loss.range_state(copy=False)  # written now, before the loop moves them: no host copy
+        return {**dense, "ranges": write_rows("loss", loss.num_rows, own)}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (maybe of another world size); the next ``train()`` resumes there."""

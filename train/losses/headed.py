@@ -11,8 +11,10 @@ it steps is the head's.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from pksampler.world import World
@@ -20,12 +22,43 @@ from pksampler.world import World
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.modeling.head_replicas import RangeCopy
+from pksampler.train.modeling.range_checkpoint import fill_range, read_rows, whole_copy
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 
 if TYPE_CHECKING:
     from pksampler.train.config.schema import RunConfig
 
-__all__ = ["HeadedLoss"]
+__all__ = ["HeadedLoss", "saved_row_shape", "saved_rows", "whole_loss_state"]
+
+
+def saved_row_shape(saved: dict[str, Any]) -> tuple[int, ...]:
+    """The (classes, subcentres, dimension) of a checkpoint's head (its loss state, ``saved``), either layout."""
+    head = saved["head"]
+    if "ranges" in saved:
+        return (int(head["num_classes"]), int(head["subcentres"]), int(head["dim"]))
+    return tuple(head["rows"].shape)
+
+
+def saved_rows(saved: dict[str, Any], ids: np.ndarray) -> torch.Tensor:
+    """Rows ``ids`` (class ids) of a checkpoint's head, the one reader of them: from the range files that hold
+    them (its manifest made absolute by :func:`~pksampler.train.modeling.range_checkpoint.located`), or from
+    the whole head inside an older checkpoint."""
+    if "ranges" in saved:
+        return read_rows(saved["ranges"]["manifest"], ids)[0]
+    return saved["head"]["rows"][torch.from_numpy(np.asarray(ids, dtype=np.int64))]
+
+
+def whole_loss_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's loss state with the whole head inside (:meth:`HeadedLoss.state_dict`'s layout, which every
+    version loads), its rows and momentum read from its range files; an older state as it is. Holds the whole
+    table: for one process that wants it (an export, a test), never a training rank."""
+    if "ranges" not in saved:
+        return saved
+    classes, subcentres, dim = saved_row_shape(saved)
+    like = (torch.zeros(0, subcentres, dim), torch.zeros(0, subcentres, dim))
+    rows, momentum = whole_copy(saved["ranges"]["manifest"], like).tensors
+    dense = {key: value for key, value in saved.items() if key != "ranges"}
+    return {**dense, "head": {**saved["head"], "rows": rows, "momentum": momentum, "momentum_of_own_loss": True}}
 
 
 class HeadedLoss(torch.nn.Module):
@@ -36,7 +69,9 @@ class HeadedLoss(torch.nn.Module):
     (:class:`~pksampler.train.losses.pair.MetricLoss`) brings its trainable parameters as
     ``pair_parameters``. ``weight`` is the head's :attr:`~ShardedMarginHead.loss_weight`. The checkpoint's
     state keeps its layout (:meth:`state_dict`): the pair loss's own state, the whole head keyed by class id (so
-    any W loads it) and the neck's, nested as every checkpoint before was written.
+    any W loads it) and the neck's, nested as every checkpoint before was written; a training checkpoint keeps
+    the rows apart instead, each rank's range in a file of its own (:meth:`Trainer.state_dict`,
+    docs/sharded-head.md), and :meth:`load_state_dict` reads either.
     """
 
     def __init__(self, pair: Any, head: ShardedMarginHead, *, neck: BNNeck | None = None,
@@ -111,10 +146,11 @@ class HeadedLoss(torch.nn.Module):
         """For a new world with no committed step: the initial rows of this rank's range."""
         self.head.load_initial()
 
-    def range_state(self) -> tuple[dict[str, Any], RangeCopy]:
+    def range_state(self, *, copy: bool = True) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the dense state (pair loss, neck, the head's
-        step and decay log; the same on every rank) and a host copy of this rank's rows and momentum."""
-        meta, own = self.head.range_state()
+        step and decay log; the same on every rank) and a host copy of this rank's rows and momentum (with
+        ``copy=False``, rows on the host already are the live ones: a checkpoint writes them at once)."""
+        meta, own = self.head.range_state(copy=copy)
         dense = {"pair": self.pair.state_dict(), "head": meta}
         if self.neck is not None:
             dense["neck"] = self.neck.state_dict()
@@ -129,8 +165,13 @@ class HeadedLoss(torch.nn.Module):
         self._load_pair_and_neck(dense)
 
     def saved_copy(self, saved: dict[str, Any]) -> tuple[dict[str, Any], RangeCopy]:
-        """:meth:`state_dict`'s whole head as :meth:`range_state` gives a range: the dense state and one copy
-        of every row (rank 0 of a resumed job, the one that read the checkpoint)."""
+        """A checkpoint's loss state as :meth:`range_state` gives a range: the dense state and one copy of every
+        row (rank 0 of a resumed Horovod elastic job, the one that read the checkpoint), read from its range
+        files (:mod:`~pksampler.train.modeling.range_checkpoint`) or, from an older checkpoint, the whole head
+        inside it."""
+        if "ranges" in saved:
+            dense = {key: value for key, value in saved.items() if key != "ranges"}
+            return dense, whole_copy(saved["ranges"]["manifest"], (self.head.rows, self.head.momentum))
         self.head.check_whole(saved["head"])
         head = dict(saved["head"])
         rows, momentum = head.pop("rows"), head.pop("momentum")
@@ -148,9 +189,17 @@ class HeadedLoss(torch.nn.Module):
         return state
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:  # type: ignore[override]
-        """:meth:`state_dict`'s layout, this rank's range of the head."""
+        """A checkpoint's loss state, this rank's range of the head: read from the files that overlap it (a
+        rank-range checkpoint: :meth:`range_state`'s dense state and ``ranges``, its manifest made absolute by
+        :func:`~pksampler.train.modeling.range_checkpoint.located`), or taken from the whole head inside an
+        older checkpoint (:meth:`state_dict`'s layout)."""
         if "head" not in saved:
             raise ValueError("the checkpoint has no head (head.name was null when it was written)")
+        if "ranges" in saved:
+            self.head.check_saved(saved["head"])
+            self.load_range(saved, functools.partial(fill_range, saved["ranges"]["manifest"], self.head.lo,
+                                                     self.head.hi))
+            return
         self.head.load_whole(saved["head"])
         self._load_pair_and_neck(saved)
 

@@ -13,21 +13,19 @@ from pksampler.train.errors import ConfigError
 
 __all__ = ["GATHER_BLOCK_BYTES", "available_host_bytes", "check_head_memory", "head_memory"]
 
-#: bytes one collective of a checkpoint's gather brings to each rank
+#: bytes one collective of a whole head's gather brings to each rank (``HeadedLoss.state_dict``, outside training)
 GATHER_BLOCK_BYTES = 64 << 20
 
 
 def head_memory(num_classes: int, dim: int, subcentres: int, world: int) -> dict[str, int]:
     """Bytes one rank holds for the head: its rows and their momentum (fp32, ⌈C/W⌉·k·D each), the row clock
-    (8 bytes a row) and, at a checkpoint, rank 0 the whole head's rows and momentum (``checkpoint``), the
-    others one gathered block at a time (``checkpoint_block``, :meth:`ShardedMarginHead.gather_rows`). Under
+    (8 bytes a row) and, at a checkpoint, a host copy of its range's rows and momentum, which it writes itself
+    (``checkpoint``, :mod:`~pksampler.train.modeling.range_checkpoint`: no rank holds the whole head). Under
     Horovod elastic each rank also keeps its committed range and one replica, rows and momentum, and holds the
     previous commit's until a new one is complete (``elastic_commit``: 8 shares at that peak)."""
     share = -(-num_classes // max(world, 1)) * subcentres * dim * 4
-    whole = num_classes * subcentres * dim * 4
     return {"rows": share, "momentum": share, "clock": -(-num_classes // max(world, 1)) * 8,
-            "checkpoint": 2 * whole, "checkpoint_block": min(2 * whole, GATHER_BLOCK_BYTES),
-            "elastic_commit": 8 * share}
+            "checkpoint": 2 * share, "elastic_commit": 8 * share}
 
 
 def available_host_bytes() -> int | None:
@@ -57,8 +55,8 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
                       collectives: Collectives | None = None) -> None:
     """Refuse, in one line naming ``head.*`` and C, a head that the host's memory cannot hold.
 
-    The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, rank 0's copy of the whole
-    head (counted on every host: any host may hold rank 0) and the others' blocks; under Horovod elastic
+    The host holds ``local_ranks`` ranks' rows and momentum and, at a checkpoint, each one's copy of its range;
+    under Horovod elastic
     (``elastic``) every rank's committed copies too; ``available`` defaults to :func:`available_host_bytes`
     (skipped when unknown). With ``collectives``, the ranks exchange their need and their host's free memory
     first, so every rank raises the same error naming the worst rank (one host short of memory would otherwise
@@ -67,7 +65,7 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
     available = available_host_bytes() if available is None else available
     need = head_memory(num_classes, dim, subcentres, world)
     steady = need["rows"] + need["momentum"] + need["clock"] + (need["elastic_commit"] if elastic else 0)
-    total = local_ranks * steady + need["checkpoint"] + (local_ranks - 1) * need["checkpoint_block"]
+    total = local_ranks * (steady + need["checkpoint"])
     where = "on this host"
     if collectives is not None and collectives.size > 1:
         rows = gather_outcomes(collectives, None, [total, -1 if available is None else available]).values
@@ -85,6 +83,6 @@ def check_head_memory(num_classes: int, dim: int, subcentres: int, *, world: int
             f"head.name: a sharded head of C={num_classes:,} classes × head.subcentres={subcentres} × "
             f"model.embedding_dim={dim} needs about {total / gib:.2f} GiB {where} ({local_ranks} rank(s) × "
             f"{steady / gib:.2f} GiB of rows and momentum{copies} at W={world}, plus "
-            f"{need['checkpoint'] / gib:.2f} GiB for rank 0's checkpoint copy), but {available / gib:.2f} GiB are "
+            f"{local_ranks * need['checkpoint'] / gib:.2f} GiB for the checkpoint's copies of their ranges), but {available / gib:.2f} GiB are "
             "available: use fewer classes, a "
             "smaller model.embedding_dim or head.subcentres, or hosts with more memory")

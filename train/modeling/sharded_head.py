@@ -341,14 +341,25 @@ class ShardedMarginHead(torch.nn.Module):
         self.step = int(saved["step"])
         self.decay.load(saved["log_decay"])
 
-    def range_state(self) -> tuple[dict[str, Any], RangeCopy]:
+    def check_saved(self, saved: dict[str, Any], shape: tuple[int, ...] | None = None) -> None:
+        """Refuse a saved head (``shape``: its rows'; else its recorded classes, subcentres and dimension) whose
+        rows are not this head's, naming both shapes."""
+        mine = (self.num_classes, self.subcentres, self.dim)
+        shape = shape if shape is not None else (saved.get("num_classes"), saved.get("subcentres"), saved.get("dim"))
+        if tuple(shape) != mine:
+            raise ValueError(f"the checkpoint's head has rows of shape {tuple(shape)}, this run's {mine} "
+                             "(head.subcentres, model.embedding_dim and the classes must match)")
+
+    def range_state(self, *, copy: bool = True) -> tuple[dict[str, Any], RangeCopy]:
         """Horovod elastic's commit of this rank (no collective): the head's state but its rows and momentum
-        (``meta``, the same on every rank), and a host copy of this rank's rows and momentum, decay settled."""
+        (``meta``, the same on every rank), and a host copy of this rank's rows and momentum, decay settled.
+        ``copy=False`` (a checkpoint, written before the loop goes on): rows already on the host are not
+        copied."""
         self.settle()
         meta = {"step": self.step, "num_classes": self.num_classes, "subcentres": self.subcentres, "dim": self.dim,
                 "log_decay": self.decay.log.clone()}
-        return meta, RangeCopy(self.lo, self.hi, (self.rows.detach().to("cpu", copy=True),
-                                                  self.momentum.detach().to("cpu", copy=True)))
+        return meta, RangeCopy(self.lo, self.hi, (self.rows.detach().to("cpu", copy=copy),
+                                                  self.momentum.detach().to("cpu", copy=copy)))
 
     def load_range(self, meta: dict[str, Any], fill: Callable[..., None]) -> None:
         """This rank's range written by ``fill(rows, momentum)`` (an assembly), then :meth:`range_state`'s

@@ -19,6 +19,8 @@ from torch.nn import functional as F
 from pksampler.train.config.load import ConfigError, load_config
 from pksampler.train.engine.checkpoint import load_checkpoint, save_checkpoint
 from pksampler.train.engine.continuation import IMPRINT_BLOCK, imprint_rows, match_classes, neck_statistics
+from pksampler.train.losses.headed import saved_rows, whole_loss_state
+from pksampler.train.modeling.range_checkpoint import located
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 from pksampler.train.run_setup import assemble, train
 from pksampler.train.runtime.distributed import Backend
@@ -92,7 +94,8 @@ def test_imprinted_rows_are_the_same_at_every_world_size(subcentres):
 def test_a_continued_run_keeps_rows_by_name_imprints_new_ones_and_says_so(tmp_path, capsys):
     week1, week2 = folders(tmp_path)
     train(config(tmp_path, week1, "w1"), Backend())
-    saved = load_checkpoint(tmp_path / "w1" / "checkpoints" / "last.pt")
+    path = tmp_path / "w1" / "checkpoints" / "last.pt"
+    saved = located(load_checkpoint(path), path)
     names = saved["classes"]["names"]
     assert names == [f"product_{c:05d}" for c in range(24)]
     capsys.readouterr()
@@ -108,7 +111,7 @@ def test_a_continued_run_keeps_rows_by_name_imprints_new_ones_and_says_so(tmp_pa
         head, today = parts.loss_fn.head, [f"product_{c:05d}" for c in range(2, 32)]
         for code, name in enumerate(today):
             if name in names:  # kept: the saved row of the same name, whatever its code was
-                assert torch.equal(head.rows[code], saved["loss"]["head"]["rows"][names.index(name)])
+                assert torch.equal(head.rows[code], saved_rows(saved["loss"], [names.index(name)])[0])
         assert not parts.loss_fn.head.momentum.any()  # momentum reset
         data_train = parts.train_set
         trained = {names[c] for c in saved["classes"]["trained"].tolist()}
@@ -265,7 +268,9 @@ def saved_week1(tmp_path_factory):
     root = tmp_path_factory.mktemp("grown")
     week1, week2 = folders(root)
     train(config(root, week1, "w1", "train.max_steps=1"), Backend())
-    return root, week2, load_checkpoint(root / "w1" / "checkpoints" / "last.pt")
+    path = root / "w1" / "checkpoints" / "last.pt"
+    state = located(load_checkpoint(path), path)
+    return root, week2, {**state, "loss": whole_loss_state(state["loss"])}  # the damage is done to the rows inside
 
 
 def _names(state):
