@@ -177,7 +177,7 @@ def test_a_reset_is_not_the_end_of_training_for_the_hooks():
         def after_train(self) -> None:
             closed.append(True)
 
-    loop = Trainer(SimpleNamespace(epochs=1), [Closing()])
+    loop = Trainer(SimpleNamespace(epochs=1, shared=()), [Closing()])
     resets = (HorovodInternalError, HostsUpdatedInterrupt)
     with pytest.raises(HostsUpdatedInterrupt):
         loop.train(interrupted_by=resets)  # the loop's way out of a reset
