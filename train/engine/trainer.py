@@ -226,9 +226,8 @@ class Trainer:
         added = list(hooks)
         shared = tuple(self.parts.shared) if self.parts is not None else ()
         for hook in added:
+            hook.trainer = self  # before shares(): a hook's parts may come from the trainer (its loss, its world)
             shared += checked_shares(hook, shared)
-        for hook in added:
-            hook.trainer = self
         if self.parts is not None and len(shared) > len(self.parts.shared):  # most hooks share nothing
             self.parts.shared = shared
         self.hooks.extend(added)

@@ -181,7 +181,8 @@ def test_the_loop_calls_hooks_in_order_and_puts_every_step_in_the_storage():
 def test_hooks_run_in_registration_order_and_the_shares_they_own_join_the_shared_parts():
     a, b, c = Recorder(), Recorder(), Recorder()
     table = Table()
-    b.shares = lambda: (table,)  # a hook that keeps a sharded table of its own
+    # a hook that keeps a sharded table of its own, built from the trainer it is registered with (its world)
+    b.shares = lambda: (table,) if b.trainer.parts is not None else ()
     trainer = make_trainer([a])
     before = tuple(trainer.parts.shared)
     trainer.register([b, c])
