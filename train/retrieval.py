@@ -59,6 +59,16 @@ def _rank() -> int:
         return 0
 
 
+def _end_loader_workers() -> None:
+    """Kill this rank's DataLoader workers before it stops on an error. A worker busy fetching (an object store
+    retrying) does not notice its rank is gone, and it holds the rank's stdout: horovodrun waits for that pipe to
+    close and the job never ends (seen with a shard deleted from the store)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.kill()
+
+
 def _report_and_exit(message: str, status: int) -> int:
     """One line from rank 0; every rank exits with ``status``.
 
@@ -68,6 +78,7 @@ def _report_and_exit(message: str, status: int) -> int:
     collective waiting for it): it prints the line itself, naming its rank, before it exits.
     """
     rank = _rank()
+    _end_loader_workers()
     if rank == 0:
         print(message, file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -88,6 +99,7 @@ _PEER_FAILED = ("HorovodInternalError", "DistBackendError")
 def _report_unexpected(error: BaseException) -> int:
     """Rank 0 shows the whole traceback; the others one line naming where they failed. A collective that failed
     because a peer exited is one line on any rank: the peer reported the cause."""
+    _end_loader_workers()
     if type(error).__name__ in _PEER_FAILED:
         print(f"[pksampler] rank {_rank()}: stopped: a collective failed because another rank stopped "
               f"({type(error).__name__}); that rank's error is above", file=sys.stderr, flush=True)
