@@ -50,7 +50,8 @@ SESSION = f"{os.environ.get(TAG, 'pytest')}/{os.getpid()}.{time.monotonic_ns()}"
 #: 36 s of CPU at 1 ms, 18 s at 10 ms; the Makefile's demo runs at 10 ms for the same reason). The cycle decides
 #: which ready tensors share one allreduce, not what two ranks sum; from three ranks on, a fused buffer may move an
 #: element's place in the ring and its rounding, within the tolerances of the -np 3 comparisons, and the
-#: bit-for-bit runs turn fusion off (train.deterministic).
+#: bit-for-bit runs turn fusion off (train.deterministic). A test that runs a command as the docs show passes
+#: ``env={"HOROVOD_CYCLE_TIME": None}`` to leave it unset.
 LAUNCH_DEFAULTS = {"HOROVOD_CYCLE_TIME": "10"}
 #: the launches this session started, by kind (horovodrun, torchrun, accelerate, lightning, s3 server, ...)
 LAUNCHES: collections.Counter[str] = collections.Counter()
@@ -117,7 +118,8 @@ def spawn(command: list[str], *, kind: str, outlives_test: bool = False, **popen
     _start_guard()
     LAUNCHES[kind] += 1
     tag = f"{SESSION}/{sum(LAUNCHES.values())}"
-    env = {**LAUNCH_DEFAULTS, **(popen.pop("env", None) or os.environ), TAG: tag}
+    given = {**LAUNCH_DEFAULTS, **(popen.pop("env", None) or os.environ), TAG: tag}
+    env = {key: value for key, value in given.items() if value is not None}  # None: left unset, as a user has it
     process = subprocess.Popen(command, env=env, start_new_session=True, **popen)
     _live[process.pid] = (process, tag)
     if outlives_test:
@@ -260,8 +262,8 @@ def agent_command(script: str | Path, *args: str, nnodes: str, nproc: int, endpo
 
 def start_agent(command: list[str], log: Path, *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a launcher in its own session, stdout and stderr to ``log`` (read it while it runs)."""
-    kind = ("torchrun" if "torch.distributed.run" in command
-            else "horovodrun" if any("horovodrun" in Path(part).name for part in command[:2]) else Path(command[0]).name)
+    horovod = any("horovodrun" in Path(part).name for part in command[:2])  # horovodrun, or a script wrapping it
+    kind = "torchrun" if "torch.distributed.run" in command else "horovodrun" if horovod else Path(command[0]).name
     with open(log, "w", encoding="utf-8") as stream:
         return spawn(command, kind=kind, cwd=ROOT, env=_environment(env), stdout=stream, stderr=subprocess.STDOUT,
                      text=True)
