@@ -106,3 +106,36 @@ def _forget_reference_packages():
     for name in [n for n in sys.modules if n.split(".")[0] in _REFERENCE_PACKAGES and n not in before]:
         del sys.modules[name]
     sys.path[:] = path  # the reference folder tests/reference_models.py put on it
+
+
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _own_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With ``PKSAMPLER_TEST_COST=file``: append each test's wall time and CPU time (this process's and its
+    launches', set-up of shared fixtures included) as one JSON line, the suite's cost per file and per test."""
+    target = os.environ.get("PKSAMPLER_TEST_COST")
+    if not target:
+        yield
+        return
+    import json
+    import time
+
+    wall, own, children = time.monotonic(), _own_cpu(), _children_cpu()
+    yield
+    record = {"test": item.nodeid, "wall": round(time.monotonic() - wall, 3), "own": round(_own_cpu() - own, 3),
+              "launched": round(_children_cpu() - children, 3)}
+    with open(target, "a", encoding="utf-8") as stream:
+        stream.write(json.dumps(record) + "\n")
