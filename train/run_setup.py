@@ -392,7 +392,7 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
         saved = _load_resume_state(config, backend, mode)
         continuation = None
         if saved is not None:  # a rank that cannot read its range files fails every rank
-            mode.raise_together(_load_into(trainer, saved, Path(config.workspace)))
+            mode.raise_together(_load_into(lambda: trainer.load_state_dict(saved), Path(config.workspace)))
         elif config.train.init_from:
             continuation = _continue(config, parts, data, mode)
         elif config.model.pretrained:
@@ -410,6 +410,8 @@ def assemble(config: RunConfig, backend: Backend, extra_hooks: Iterable[HookBase
                                    metadata={"format": CHECKPOINT_FORMAT, "config": config.to_dict(),
                                              "classes": class_record(data.dataset.classes, data.train.labels, known)})
     trainer.register([*_hooks(config, trainer, data, log, checkpoints, mode, continuation, known), *extra_hooks])
+    if saved is not None:  # the parts the hooks share, from the checkpoint (each rank its range's files)
+        mode.raise_together(_load_into(trainer.load_saved_shares, workspace))
     return Run(trainer, workspace, log, mode.workspace_lock(lock, workspace), mode)
 
 
@@ -422,10 +424,11 @@ def _continue(config: RunConfig, parts: StepParts, data: DataParts, mode: RunMod
                          agree=mode.raise_together)
 
 
-def _load_into(trainer: Trainer, saved: dict[str, Any], workspace: Path) -> CheckpointError | None:
-    """The resumed state into the trainer; a checkpoint that does not fit this run: the error naming it."""
+def _load_into(load: Callable[[], None], workspace: Path) -> CheckpointError | None:
+    """``load()`` (the resumed state into the trainer); a checkpoint that does not fit this run: the error naming
+    it."""
     try:
-        trainer.load_state_dict(saved)
+        load()
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         reason = " ".join(line.strip() for line in str(error).splitlines()[:2])[:300] or type(error).__name__
         return CheckpointError(f"checkpoint {workspace / 'checkpoints' / 'last.pt'} does not fit this run "

@@ -200,7 +200,7 @@ class ToyTable:
         ids = torch.arange(self.lo, self.hi, dtype=torch.float64)
         self.rows = torch.stack([ids, ids], dim=1)
 
-    def range_state(self):
+    def range_state(self, *, copy: bool = True):
         from pksampler.train.modeling.head_replicas import RangeCopy
 
         return {"toy": True}, RangeCopy(self.lo, self.hi, (self.rows.clone(),))

@@ -28,6 +28,8 @@ from pksampler.world import World
 
 from pksampler.train.engine.checkpoint import to_numpy
 from pksampler.train.modeling.head_replicas import RangeCopy
+from pksampler.train.modeling.range_checkpoint import load_part
+from pksampler.train.modeling.sharded_head import shard_range
 from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
@@ -70,13 +72,27 @@ class HookBase:
 
     def shares(self) -> Sequence[Any]:
         """Parts this hook owns that hold a share of the world (a sharded table it keeps): added to
-        :attr:`StepParts.shared` when the hook is registered, so they take every new world and, under Horovod
+        :attr:`StepParts.shared` when the hook is registered, so they take every new world, are checkpointed
+        (each rank its range, under the hook's class name: :meth:`Trainer.shared_parts`) and, under Horovod
         elastic, are committed and re-assembled like the sharded head (docs/sharded-head.md)."""
         return ()
 
 
 #: what a part of :attr:`StepParts.shared` implements, the sharded-state protocol (docs/sharded-head.md)
 SHARED_PROTOCOL = ("num_rows", "set_world", "range_state", "load_range", "load_initial")
+
+
+def share_keys(hook: HookBase, count: int, taken: Sequence[str]) -> list[str]:
+    """The keys ``hook``'s ``count`` shared parts are saved under: its class name (``Name.1``, ``Name.2`` for
+    its further parts), ``Name-2`` ... for a second hook of the class; none of ``taken``. Stable from run to
+    run (hooks register in one order), so a resume finds each part's rows, and a folder name as they are."""
+    base, taken = type(hook).__name__, set(taken)
+    for copy in range(1, len(taken) + 2):
+        name = base if copy == 1 else f"{base}-{copy}"
+        keys = [name if index == 0 else f"{name}.{index}" for index in range(count)]
+        if taken.isdisjoint(keys):
+            return keys
+    raise AssertionError("unreachable: one of len(taken) + 1 names is free")
 
 
 def checked_shares(hook: HookBase, shared: Sequence[Any]) -> tuple[Any, ...]:
@@ -195,6 +211,13 @@ class StepParts:
 RowWriter = Callable[[str, int, RangeCopy], dict[str, Any]]
 
 
+def _saved_share(key: str, part: Any, write_rows: RowWriter) -> dict[str, Any]:
+    """A shared part's checkpoint state: its dense state and ``ranges``, the reference ``write_rows`` returns
+    after this rank wrote its range (every rank calls it together)."""
+    dense, own = part.range_state(copy=False)  # written now, before the loop moves them: no host copy
+    return {**dense, "ranges": write_rows(key, part.num_rows, own)}
+
+
 def gather_batch(backend: Backend, embeddings: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather embeddings (keeping gradients) and labels in one collective.
 
@@ -218,6 +241,9 @@ class Trainer:
         self._last_loss = torch.zeros(())
         self._embeddings_finite = torch.ones((), dtype=torch.bool)
         self.hooks: list[HookBase] = []
+        self._share_keys: dict[int, str] = {}  # id of a part a hook shares -> the key it is saved under
+        self._saved_shares: dict[str, Any] = {}  # a loaded checkpoint's shared parts not loaded yet, by key
+        self._resumed_shares: dict[str, Any] = {}  # every shared part's state in the loaded checkpoint, by key
         self.register(hooks)
 
     def register(self, hooks: Iterable[HookBase]) -> None:
@@ -227,7 +253,10 @@ class Trainer:
         shared = tuple(self.parts.shared) if self.parts is not None else ()
         for hook in added:
             hook.trainer = self  # before shares(): a hook's parts may come from the trainer (its loss, its world)
-            shared += checked_shares(hook, shared)
+            parts = checked_shares(hook, shared)
+            keys = share_keys(hook, len(parts), [self._key_of(i, part) for i, part in enumerate(shared)])
+            self._share_keys.update((id(part), key) for part, key in zip(parts, keys))
+            shared += parts
         if self.parts is not None and len(shared) > len(self.parts.shared):  # most hooks share nothing
             self.parts.shared = shared
         self.hooks.extend(added)
@@ -235,6 +264,16 @@ class Trainer:
     @property
     def global_batch(self) -> int:
         return self.parts.global_batch
+
+    def shared_parts(self) -> list[tuple[str, Any]]:
+        """Every item of :attr:`StepParts.shared` with the key it is checkpointed under: ``loss`` for the run's
+        loss, the sharing hook's (:func:`share_keys`) for a hook's part, ``shared<i>`` for any other."""
+        if self.parts is None:
+            return []
+        return [(self._key_of(index, part), part) for index, part in enumerate(self.parts.shared)]
+
+    def _key_of(self, index: int, part: Any) -> str:
+        return self._share_keys.get(id(part), "loss" if part is self.parts.loss_fn else f"shared{index}")
 
     def train(self, *, interrupted_by: tuple[type[BaseException], ...] = ()) -> TrainState:
         """Run the epochs; ``after_train`` follows, unless one of ``interrupted_by`` (a change of world, after
@@ -334,6 +373,7 @@ class Trainer:
             "scheduler": parts.scheduler.state_dict(),
             "scaler": parts.scaler.state_dict() if parts.scaler is not None else None,
             "loss": self._loss_state(write_rows),
+            **self._shares_state(write_rows),
             "state": self.state.to_dict(),
             "sampler": parts.sampler.state_dict(batches_consumed=self._iteration_done),
             "world_size": parts.backend.size,
@@ -344,8 +384,14 @@ class Trainer:
         loss = self.parts.loss_fn
         if write_rows is None or not any(part is loss for part in self.parts.shared):
             return loss.state_dict()
-        dense, own = loss.range_state(copy=False)  # written now, before the loop moves them: no host copy
-        return {**dense, "ranges": write_rows("loss", loss.num_rows, own)}
+        return _saved_share("loss", loss, write_rows)
+
+    def _shares_state(self, write_rows: RowWriter | None) -> dict[str, Any]:
+        """``{"shared": {key: state}}`` for every shared part but the loss (a hook's table), each written as the
+        loss is; nothing without ``write_rows`` (a part of the protocol has no whole state) or such parts."""
+        shares = {key: _saved_share(key, part, write_rows) for key, part in self.shared_parts()
+                  if part is not self.parts.loss_fn} if write_rows is not None else {}
+        return {"shared": shares} if shares else {}
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict` (maybe of another world size); the next ``train()`` resumes there."""
@@ -359,6 +405,31 @@ class Trainer:
         self.state = TrainState.from_dict(saved["state"])
         parts.sampler.load_state_dict(to_numpy(saved["sampler"]))
         self._iteration_done = 0
+        self._saved_shares = dict(saved.get("shared") or {})
+        loss_shared = any(part is parts.loss_fn for part in parts.shared)
+        self._resumed_shares = {**({"loss": saved["loss"]} if loss_shared else {}), **self._saved_shares}
+        self.load_saved_shares()
+
+    def load_saved_shares(self) -> None:
+        """Each shared part of the loaded checkpoint (its ``shared`` section) that is shared now and not loaded
+        yet: its state, this rank's range read from the range files that overlap it
+        (:func:`~pksampler.train.modeling.range_checkpoint.load_part`). :meth:`load_state_dict` calls it, and
+        the application again once the hooks that share parts are registered (they come after the resume)."""
+        backend = self.parts.backend
+        for key, part in self.shared_parts():
+            saved = self._saved_shares.pop(key, None)
+            if saved is not None:
+                load_part(part, saved, *shard_range(part.num_rows, backend.size, backend.rank), key=key)
+
+    def resumed_share(self, key: str) -> Any:
+        """What shared part ``key`` resumes from, for Horovod elastic's handler on the rank that loaded the
+        checkpoint: its saved state, whose rows every rank reads from the range files overlapping its own range
+        (a dict with ``ranges``), or, for a loss saved whole inside an older checkpoint, its ``saved_copy``
+        (the dense state and one copy of every row); None when nothing of it was loaded."""
+        saved = self._resumed_shares.get(key)
+        if saved is None or "ranges" in saved:
+            return saved
+        return self.parts.loss_fn.saved_copy(saved) if key == "loss" else None
 
     def forward_backward(self, images: torch.Tensor, labels: torch.Tensor, *, reduce: bool) -> None:
         """Loss on the (gathered) global batch and its backward pass; gradients reduced when ``reduce``."""

@@ -11,7 +11,6 @@ it steps is the head's.
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
@@ -22,7 +21,7 @@ from pksampler.world import World
 from pksampler.train.errors import ConfigError
 from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.modeling.head_replicas import RangeCopy
-from pksampler.train.modeling.range_checkpoint import fill_range, read_rows, whole_copy
+from pksampler.train.modeling.range_checkpoint import load_part, read_rows, whole_copy
 from pksampler.train.modeling.sharded_head import ShardedMarginHead
 
 if TYPE_CHECKING:
@@ -165,13 +164,10 @@ class HeadedLoss(torch.nn.Module):
         self._load_pair_and_neck(dense)
 
     def saved_copy(self, saved: dict[str, Any]) -> tuple[dict[str, Any], RangeCopy]:
-        """A checkpoint's loss state as :meth:`range_state` gives a range: the dense state and one copy of every
-        row (rank 0 of a resumed Horovod elastic job, the one that read the checkpoint), read from its range
-        files (:mod:`~pksampler.train.modeling.range_checkpoint`) or, from an older checkpoint, the whole head
-        inside it."""
-        if "ranges" in saved:
-            dense = {key: value for key, value in saved.items() if key != "ranges"}
-            return dense, whole_copy(saved["ranges"]["manifest"], (self.head.rows, self.head.momentum))
+        """An older checkpoint's loss state (the whole head inside it, :meth:`state_dict`'s layout) as
+        :meth:`range_state` gives a range: the dense state and one copy of every row, for rank 0 of a resumed
+        Horovod elastic job, which read the checkpoint and holds that head already. A rank-range checkpoint's
+        rows are never copied whole: every rank reads its own range's files."""
         self.head.check_whole(saved["head"])
         head = dict(saved["head"])
         rows, momentum = head.pop("rows"), head.pop("momentum")
@@ -197,8 +193,7 @@ class HeadedLoss(torch.nn.Module):
             raise ValueError("the checkpoint has no head (head.name was null when it was written)")
         if "ranges" in saved:
             self.head.check_saved(saved["head"])
-            self.load_range(saved, functools.partial(fill_range, saved["ranges"]["manifest"], self.head.lo,
-                                                     self.head.hi))
+            load_part(self, saved, self.head.lo, self.head.hi, key="loss")
             return
         self.head.load_whole(saved["head"])
         self._load_pair_and_neck(saved)

@@ -13,9 +13,11 @@ never inside it, so no rank gathers the whole table to write one::
    writes the manifest (the part's total rows, the step, every file) and
    reports that too. The checkpoint holds only the reference it returns.
 2. :func:`fill_range` reads, at any world size, only the files that overlap
-   the rows a rank owns now; :func:`read_rows` takes any rows (a continued run
-   matches classes by name); :func:`whole_copy` the whole table, for a reader
-   that needs it (Horovod elastic's resumed rank 0). A missing file, or one
+   the rows a rank owns now, and :func:`load_part` gives a shared part its
+   saved state that way (``range_state``'s dense state and ``load_range``:
+   the sharded-state protocol, whatever the part); :func:`read_rows` takes any
+   rows (a continued run matches classes by name); :func:`whole_copy` the whole
+   table, for one process that wants it (an export, a test). A missing file, or one
    whose size, rows or digest differ from the manifest's, is one line naming
    the file (:class:`RangeFileError`).
 
@@ -26,6 +28,7 @@ the older folders once the newer ``last.pt`` is durable.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -39,8 +42,8 @@ from pksampler.agree import gather_outcomes
 from pksampler.files import atomic_write_text, atomic_writer
 from pksampler.train.modeling.head_replicas import RangeCopy
 
-__all__ = ["MANIFEST", "RangeFileError", "drop_older", "fill_range", "located", "range_folder", "read_manifest",
-           "read_rows", "whole_copy", "write_ranges"]
+__all__ = ["MANIFEST", "RangeFileError", "drop_older", "fill_range", "load_part", "located", "range_folder",
+           "read_manifest", "read_rows", "whole_copy", "write_ranges"]
 
 #: the manifest's name in a step's folder
 MANIFEST = "manifest.json"
@@ -179,6 +182,19 @@ def fill_range(manifest_path: Path, lo: int, hi: int, *targets: torch.Tensor) ->
                                  f"{len(tensors)} tensors, this part {len(targets)}")
         for target, tensor in zip(targets, tensors):
             target[start - lo:stop - lo] = tensor[start - entry["start"]:stop - entry["start"]].to(target)
+
+
+def load_part(part: Any, saved: dict[str, Any], lo: int, hi: int, *, key: str) -> None:
+    """A shared part's checkpointed state into ``part``: ``saved`` is what a checkpoint keeps of it (its
+    ``range_state()`` dense state beside ``ranges``, the manifest made absolute by :func:`located`); the part's
+    rows ``[lo, hi)`` (its range in this world) come from the files that overlap them only, through its
+    ``load_range(dense, fill)``. ``key`` names the part in the one-line error for a table of another size."""
+    ranges = saved["ranges"]
+    if int(ranges["rows"]) != part.num_rows:
+        raise RangeFileError(f"checkpoint rows manifest {ranges['manifest']}: shared part {key!r} was saved with "
+                             f"{ranges['rows']} rows, this run's has {part.num_rows}: they must match")
+    dense = {name: value for name, value in saved.items() if name != "ranges"}
+    part.load_range(dense, functools.partial(fill_range, ranges["manifest"], lo, hi))
 
 
 def whole_copy(manifest_path: Path, like: Sequence[torch.Tensor]) -> RangeCopy:

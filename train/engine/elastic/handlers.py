@@ -18,7 +18,8 @@ Horovod picks a handler per value of its ``TorchState`` by type;
   loss is one), one :class:`ShardHandler` each: save = this rank's range and
   a replica of one rank's on another host, so a host that leaves takes no
   rows with it; after a reset every rank of the new world (joiners too)
-  receives its new range from whoever holds it.
+  receives its new range from whoever holds it, or, in a job resumed from a
+  rank-range checkpoint, reads it from the range files that overlap it.
 * optimizers: the state dict is broadcast and loaded; Horovod's own handler
   first takes a zero-gradient step on a rank with an empty state (a
   joiner), which moves weight-decayed parameters after they were synced.
@@ -144,7 +145,8 @@ class _StateDictHandler:
 
 
 class Shared:
-    """An item of :attr:`StepParts.shared` as Horovod's ``TorchState`` holds it, so one handler serves them all.
+    """An item of :attr:`StepParts.shared` as Horovod's ``TorchState`` holds it, so one handler serves them all;
+    ``key``: the name it is checkpointed under (:meth:`Trainer.shared_parts`).
 
     A shared part implements the sharded-state protocol (docs/sharded-head.md): ``num_rows`` (the whole table's
     rows), ``set_world(world)`` (its range and gradient scale in a new world, zero until loaded),
@@ -153,8 +155,8 @@ class Shared:
     and ``load_initial()`` (its initial rows, before any commit).
     """
 
-    def __init__(self, part: Any) -> None:
-        self.part = part
+    def __init__(self, part: Any, key: str = "") -> None:
+        self.part, self.key = part, key
 
 
 class ShardHandler:
@@ -170,14 +172,19 @@ class ShardHandler:
     the start of the body (:meth:`ensure_current`); at a reset the part takes
     its new (empty) range with ``set_world`` (:meth:`Trainer.set_world`) and
     the reset callback (:meth:`on_reset`) only marks it stale, since joiners
-    are not in it. ``resumed``: ``(dense, RangeCopy of every row)`` on rank 0
-    of a resumed job (the part's state read from the checkpoint). ``host()``
+    are not in it. ``resumed``, on the rank that read the checkpoint of a
+    resumed job (:meth:`Trainer.resumed_share`): the part's saved state with
+    its ``ranges`` (every rank reads its own range from the files that overlap
+    it, :func:`~pksampler.train.modeling.range_checkpoint.load_part`: no rank
+    holds the whole table), or ``(dense, RangeCopy of every row)`` (an older
+    checkpoint with the whole head inside, which that rank holds). ``host()``
     names this rank's host (equal numbers: one host). Nothing here is
     collective at construction: a joiner builds its state before it meets the
     survivors.
     """
 
-    def __init__(self, value: Shared, *, collectives: Any, resumed: tuple[dict[str, Any], Any] | None = None,
+    def __init__(self, value: Shared, *, collectives: Any,
+                 resumed: dict[str, Any] | tuple[dict[str, Any], Any] | None = None,
                  host: Callable[[], int] = lambda: host_key(), name: str = "pksampler.elastic.shared") -> None:
         self.value, self.collectives, self.host, self.name = value, collectives, host, name
         self._dense: dict[str, Any] | None = None
@@ -185,11 +192,22 @@ class ShardHandler:
         self._step, self._world = -1, 0
         self._commits = 0  # commits this handler made or received (the commit's number: the same on every rank)
         self.current = False  # this rank's range is the current world's (set by an assembly)
-        if resumed is not None:
-            # rank 0 of a resumed run holds the checkpoint's whole table (one copy of [0, N)); the first assembly
-            # gives every rank its range of it (each built only its own, and only rank 0 read the file)
+        if isinstance(resumed, dict):
+            self._on_disk(resumed)
+        elif resumed is not None:
+            # rank 0 of a run resumed from an older checkpoint holds its whole table (one copy of [0, N)); the
+            # first assembly gives every rank its range of it (each built only its own, only rank 0 read the file)
             self._dense, whole = resumed
             self._copies, self._step, self._world = [whole], 0, 1
+
+    def _on_disk(self, saved: dict[str, Any]) -> None:
+        """The committed state is a checkpoint's: ``saved`` (dense state and ``ranges``) names its range files.
+        Reported as one copy of every row at step 0 in a world of 0 ranks (:func:`holder_row`), which
+        :meth:`assemble` reads as "each rank reads its range from the files"."""
+        from pksampler.train.modeling.head_replicas import RangeCopy
+
+        self._dense, self._copies = saved, [RangeCopy(0, self.value.part.num_rows, ())]
+        self._step, self._world = 0, 0
 
     @property
     def copies(self) -> list[Any]:
@@ -235,6 +253,7 @@ class ShardHandler:
         every rank. No copy anywhere: no step was committed, the initial rows.
         """
         from pksampler.train.modeling import head_replicas
+        from pksampler.train.modeling.range_checkpoint import load_part
         from pksampler.train.modeling.sharded_head import shard_range
 
         part, collectives = self.value.part, self.collectives
@@ -248,9 +267,13 @@ class ShardHandler:
             dense = collectives.broadcast_object(self._dense if collectives.rank == root else None, root,
                                                  name=self.name)
             ranges = [shard_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
-            part.load_range(dense, functools.partial(head_replicas.assemble, self._copies, segments, ranges,
-                                                     collectives=collectives))
-            self._step = step
+            if table[root, 1] == 0:  # a checkpoint's rows: each rank reads its range's files, and keeps the names
+                load_part(part, dense, *ranges[collectives.rank], key=self.value.key)
+                self._on_disk(dense)
+            else:
+                part.load_range(dense, functools.partial(head_replicas.assemble, self._copies, segments, ranges,
+                                                         collectives=collectives))
+                self._step = step
         self.current = True
 
     def set_value(self, value: Any) -> None:

@@ -139,7 +139,6 @@ class HorovodElasticMode(RunMode):
         super().__init__(backend)
         self.commit_every = commit_every
         self._checks: list[Callable[[], None]] = []
-        self._loss_state: dict[str, Any] | None = None
         self._log: CommittedJSONWriter | None = None
         self._writers: WriterHook | None = None
         self._lock: WorkspaceLock | None = None
@@ -155,8 +154,8 @@ class HorovodElasticMode(RunMode):
         self._checks.append(check)
 
     def resume(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
-        """Rank 0 alone holds the checkpoint; the first state sync sends it (the head's rows: its assembly)."""
-        self._loss_state = state["loss"] if state is not None else None
+        """Rank 0 alone holds the checkpoint; the first state sync sends it (each shared part's rows: its first
+        assembly, every rank reading its own range's files)."""
         return state
 
     def broadcast_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -234,18 +233,16 @@ class HorovodElasticMode(RunMode):
             return made[-1]
 
         def shard_handler(shared: Shared) -> ShardHandler:
-            # rank 0 of a resumed job holds the checkpoint's state of the loss, whole: the part that is the loss
-            # starts from it
-            resumed = (shared.part.saved_copy(self._loss_state)
-                       if shared.part is parts.loss_fn and self._loss_state is not None else None)
-            shards.append(as_state_handler(ShardHandler)(shared, collectives=parts.backend, resumed=resumed,
+            # rank 0 of a resumed job holds what the checkpoint says of each shared part: it starts from that
+            shards.append(as_state_handler(ShardHandler)(shared, collectives=parts.backend,
+                                                         resumed=trainer.resumed_share(shared.key),
                                                          name=f"pksampler.elastic.shared{len(shards)}"))
             made.append(shards[-1])
             return shards[-1]
 
         hvd_state.set_handler_registry(state_handlers(type(parts.sampler), sampler_handler,
                                                       [(Shared, shard_handler)]))
-        shared = {f"shared{i}": Shared(part) for i, part in enumerate(parts.shared)}
+        shared = {f"shared{i}": Shared(part, key) for i, (key, part) in enumerate(trainer.shared_parts())}
         loss = {} if any(part is parts.loss_fn for part in parts.shared) else {"loss": parts.loss_fn}
         state = hvd.elastic.TorchState(model=parts.model, optimizer=parts.optimizer, **loss,
                                        scheduler=parts.scheduler, sampler=parts.sampler, train=trainer.state, **shared)
