@@ -34,6 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "train"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from retrieval import main  # noqa: E402
 
@@ -41,6 +42,7 @@ import torch  # noqa: E402
 
 from pksampler.comm import world_info  # noqa: E402
 from pksampler.train.engine.hooks import HookBase  # noqa: E402
+from toy_table import ToyTable  # noqa: E402
 
 
 class CrashAt(HookBase):
@@ -171,43 +173,6 @@ class RecordBatches(HookBase):
         parts.train_set.fetched.clear()
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
-
-
-class ToyTable:
-    """A row-sharded table of ``ROWS`` float64 rows beside the head, owned by a hook (the sharded-state protocol).
-
-    Row i starts at i; each global step adds the step's number to every row, so after step s every row
-    holds i + s(s + 1)/2 exactly, whatever world each step ran in, if its state followed every reset.
-    """
-
-    ROWS = 37
-
-    def __init__(self, world) -> None:
-        self.set_world(world)
-        self.load_initial()
-
-    @property
-    def num_rows(self) -> int:
-        return self.ROWS
-
-    def set_world(self, world) -> None:
-        from pksampler.train.modeling.sharded_head import shard_range
-
-        self.lo, self.hi = shard_range(self.ROWS, world.size, world.rank)
-        self.rows = torch.zeros(self.hi - self.lo, 2, dtype=torch.float64)  # (value, class id)
-
-    def load_initial(self) -> None:
-        ids = torch.arange(self.lo, self.hi, dtype=torch.float64)
-        self.rows = torch.stack([ids, ids], dim=1)
-
-    def range_state(self, *, copy: bool = True):
-        from pksampler.train.modeling.head_replicas import RangeCopy
-
-        return {"toy": True}, RangeCopy(self.lo, self.hi, (self.rows.clone(),))
-
-    def load_range(self, dense, fill) -> None:
-        assert dense == {"toy": True}, dense
-        fill(self.rows)
 
 
 class KeepToyTable(HookBase):

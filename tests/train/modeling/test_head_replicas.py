@@ -19,7 +19,9 @@ from test_sharded_head import C, D, TRACE_SPEC, Member, ThreadGroup, head_steps 
 
 from pksampler.train.engine.elastic import ShardHandler, Shared  # noqa: E402
 from pksampler.train.modeling import head_replicas  # noqa: E402
+from pksampler.train.modeling import range_checkpoint  # noqa: E402
 from pksampler.train.modeling.head_replicas import HeadRowsLost, replica_shift  # noqa: E402
+from pksampler.train.modeling.range_checkpoint import located, write_ranges  # noqa: E402
 from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
 from pksampler.train.losses.headed import HeadedLoss  # noqa: E402
 from pksampler.train.solver.sparse_rows import SparseRowSGD  # noqa: E402
@@ -171,7 +173,18 @@ def test_a_range_held_by_no_rank_raises_on_every_rank():
     assert len({str(e) for e in errors}) == 1
 
 
-def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
+def _resumed_steps(group, resumed) -> list[float]:
+    """Steps 2 and 3 on a rank of a resumed job whose rank 0 hands its handler ``resumed(loss)``."""
+    head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
+    rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
+    loss = HeadedLoss(torch.nn.Identity(), head)
+    handler = ShardHandler(Shared(loss, "loss"), collectives=group, host=lambda: group.rank,
+                           resumed=resumed(loss) if group.rank == 0 else None)
+    handler.sync()
+    return head_steps(head, rows, range(2, 4))
+
+
+def test_a_resumed_rank_0_gives_every_rank_its_range_of_an_older_checkpoints_whole_head():
     straight = run_each(1, lambda g: head_steps(*_member(g, [0])[:2], range(4)))[0]
 
     def before(group):
@@ -179,18 +192,37 @@ def test_a_resumed_rank_0_gives_every_rank_its_range_of_the_checkpoints_head():
         return head_steps(head, rows, range(2)), {"pair": {}, "head": head.whole_state()}
 
     (losses, saved), = run_each(1, before)
+    after = run_each(3, lambda group: _resumed_steps(group, lambda loss: loss.saved_copy(saved)))
+    assert np.allclose(losses + after[0], straight, rtol=1e-6, atol=0) and after[0] == after[2]
+
+
+def test_a_resumed_job_reads_each_ranks_range_from_the_range_files_and_no_rank_the_whole_head(tmp_path,
+                                                                                             monkeypatch):
+    """Written by 2 ranks, resumed by 3: rank 0 hands out the manifest (``Trainer.resumed_share``), every rank
+    opens only the files overlapping its range, and the loss trace goes on as one process's."""
+    straight = run_each(1, lambda g: head_steps(*_member(g, [0])[:2], range(4)))[0]
+    checkpoint = tmp_path / "last.pt"
+
+    def before(group):
+        head, rows, handler = _member(group, [0, 1])
+        losses = head_steps(head, rows, range(2))
+        dense, own = handler.value.part.range_state(copy=False)
+        return losses, {**dense, "ranges": write_ranges(checkpoint, "loss", own, num_rows=C, step=2,
+                                                        collectives=group)}
+
+    (losses, saved), _ = run_each(2, before)
+    saved, opened, rank = located(saved, checkpoint), [[] for _ in range(3)], threading.local()
+    original = range_checkpoint._read_file
+    monkeypatch.setattr(range_checkpoint, "_read_file", lambda folder, entry: opened[rank.value].append(
+        entry["name"]) or original(folder, entry))
 
     def resumed(group):
-        head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
-        rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
-        loss = HeadedLoss(torch.nn.Identity(), head)
-        handler = ShardHandler(Shared(loss), collectives=group, host=lambda: group.rank,
-                               resumed=loss.saved_copy(saved) if group.rank == 0 else None)
-        handler.sync()
-        return head_steps(head, rows, range(2, 4))
+        rank.value = group.rank
+        return _resumed_steps(group, lambda loss: saved)
 
     after = run_each(3, resumed)
     assert np.allclose(losses + after[0], straight, rtol=1e-6, atol=0) and after[0] == after[2]
+    assert opened == [["rows-0-25.pt"], ["rows-0-25.pt", "rows-25-50.pt"], ["rows-25-50.pt"]]
 
 
 def test_the_memory_check_counts_the_committed_copies_under_horovod_elastic():
