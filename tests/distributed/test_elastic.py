@@ -349,14 +349,16 @@ def _check_head_run_against_one_process(tmp_path: Path, workspace: Path) -> None
     _check_same_model(workspace, tmp_path / "alone")
 
 
-def _check_toy_table(folder: Path, *, size: int, step: int) -> None:
-    """A second sharded table (train_with_test_hooks.ToyTable, shared by a hook) came through every reset:
-    every row once, each holding its id plus every committed step's number once."""
+def _check_toy_table(folder: Path, *, size: int, step: int, added: int | None = None) -> None:
+    """A second sharded table (tests/toy_table.py's ToyTable, shared by a hook) came through every reset:
+    every row once, each holding its id plus every committed step's number once (``added``: their sum, by
+    default 1 + ... + ``step``)."""
     ranks = [json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))]
     assert len(ranks) == size and all(r["size"] == size and r["step"] == step for r in ranks), ranks
     rows = sorted(row for r in ranks for row in r["rows"])
     assert [int(row[1]) for row in rows] == list(range(37)), rows
-    assert all(value == ident + step * (step + 1) // 2 for value, ident in rows), rows
+    added = step * (step + 1) // 2 if added is None else added
+    assert all(value == ident + added for value, ident in rows), rows
 
 
 def test_the_sharded_head_reaches_hosts_that_join(tmp_path):
@@ -375,8 +377,10 @@ def test_the_sharded_head_reaches_hosts_that_join(tmp_path):
 
 def test_the_sharded_head_survives_a_host_leaving_and_a_resume_on_every_rank(tmp_path):
     """4 ranks -> 2 after step 2 (the survivors re-shard from their committed copy: Horovod skips the sync),
-    stop at step 8; then a new job resumes from last.pt, which only rank 0 reads: the first sync gives every rank
-    the checkpoint's whole head (before, the other ranks kept their initial rows and the job failed)."""
+    stop at step 8; then a new job resumes from last.pt, which only rank 0 reads: the first sync hands every rank
+    the range files' names and each reads its own range of the head and of the hook's table from them (before,
+    the other ranks kept their initial rows and the job failed; then rank 0 read the whole head, and the
+    table restarted from its initial rows)."""
     toy = tmp_path / "toy"  # a second sharded table, kept by a hook: the survivors re-assemble it too
     toy.mkdir()
     run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=2, max_np=4, after_step=2,
@@ -385,8 +389,14 @@ def test_the_sharded_head_survives_a_host_leaving_and_a_resume_on_every_rank(tmp
     assert (trained[1]["size"], trained[8]["size"]) == (4, 2), {s: t["size"] for s, t in trained.items()}
     _check_toy_table(toy, size=2, step=8)
     command = elastic_command(tmp_path / "discover.sh", run.workspace, HEAD_SETTINGS, np=2, min_np=2, max_np=2)
+    toy_resumed = tmp_path / "toy_resumed"
+    toy_resumed.mkdir()
     resumed = run_launcher(command, kind="horovodrun", timeout=300,
-                           env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180"})
+                           env={**os.environ, "OMP_NUM_THREADS": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
+                                "PKSAMPLER_TEST_TOY_TABLE": str(toy_resumed)})
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "resumed at epoch 0 step 8" in resumed.stdout, resumed.stdout[-3000:]
     _check_head_run_against_one_process(tmp_path, run.workspace)
+    # the table from last.pt: its step-8 checkpoint was written by the checkpoint hook, which runs before the
+    # test's hook adds 8, so steps 1-7 and 9-12 (had it restarted, only 9-12)
+    _check_toy_table(toy_resumed, size=2, step=12, added=12 * 13 // 2 - 8)
