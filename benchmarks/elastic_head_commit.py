@@ -7,7 +7,7 @@ hosts of two ranks on this machine; a rank's peak RSS is its own). A rank
 builds its share of a C × 128 fp32 head and its momentum, takes one ArcFace
 step, then commits three times as the trainer's elastic state does:
 
-* ``whole``: the commit before: ``copy.deepcopy(loss.state_dict(everywhere=True))``,
+* ``whole``: the commit before: ``copy.deepcopy(loss.whole_state(everywhere=True))``,
   the whole head's rows and momentum on every rank;
 * ``replica``: :class:`~pksampler.train.engine.elastic.ShardHandler`'s ``save``:
   this rank's range and the range of rank (r − 2) mod 4 (the other host),
@@ -47,7 +47,7 @@ def worker(args: argparse.Namespace) -> None:
         backend.barrier()
         start = time.perf_counter()
         if args.mode == "whole":
-            held = copy.deepcopy(loss_fn.state_dict(everywhere=True))
+            held = copy.deepcopy(loss_fn.whole_state(everywhere=True))
         else:
             handler.save()
         seconds.append(time.perf_counter() - start)

@@ -11,7 +11,7 @@ writes it into a shared folder:
 * ``ranges``: ``range_state(copy=False)`` and :func:`~pksampler.train.modeling.range_checkpoint.write_ranges`
   (``Trainer.state_dict(write_rows=...)``): every rank writes its own range
   (on the CPU, the live rows: no copy), rank 0 the manifest and the dense state;
-* ``root``: ``state_dict()``: rows and momentum reach rank 0 in blocks of
+* ``root``: ``whole_state()``: rows and momentum reach rank 0 in blocks of
   64 MiB per collective and rank 0 writes the whole head in one file.
 
 Printed per mode: each rank's peak RSS and the RSS before the checkpoint, and
@@ -49,7 +49,7 @@ def worker(args: argparse.Namespace) -> None:
                                                  collectives=backend)}
         del own
     else:
-        state = loss_fn.state_dict()
+        state = loss_fn.whole_state()
     if backend.rank == 0:
         torch.save(state, checkpoint)
     del state

@@ -66,11 +66,14 @@ class HeadedLoss(torch.nn.Module):
     A module of three parts, the pair loss, the head and the BNNeck (``neck``), so ``parameters``, ``to``,
     ``train`` and ``buffers`` are nn.Module's; a pair loss that is not a module
     (:class:`~pksampler.train.losses.pair.MetricLoss`) brings its trainable parameters as
-    ``pair_parameters``. ``weight`` is the head's :attr:`~ShardedMarginHead.loss_weight`. The checkpoint's
-    state keeps its layout (:meth:`state_dict`): the pair loss's own state, the whole head keyed by class id (so
-    any W loads it) and the neck's, nested as every checkpoint before was written; a training checkpoint keeps
-    the rows apart instead, each rank's range in a file of its own (:meth:`Trainer.state_dict`,
-    docs/sharded-head.md), and :meth:`load_state_dict` reads either.
+    ``pair_parameters``. ``weight`` is the head's :attr:`~ShardedMarginHead.loss_weight`.
+
+    ``state_dict`` and ``load_state_dict`` are nn.Module's too: this rank's state (the pair loss's, the neck's and
+    the head's range, :meth:`ShardedMarginHead.get_extra_state`). What any world size loads is a checkpoint's
+    layout, written as :meth:`whole_state` (the whole head keyed by class id, nested as every checkpoint before
+    was written) or, by a training checkpoint, as :meth:`range_state`'s dense state with each rank's range in a
+    file of its own (:meth:`Trainer.state_dict`, docs/sharded-head.md); :meth:`load_saved` reads either, and
+    so does ``load_state_dict`` (a pre-hook hands such a state to it).
     """
 
     def __init__(self, pair: Any, head: ShardedMarginHead, *, neck: BNNeck | None = None,
@@ -82,6 +85,7 @@ class HeadedLoss(torch.nn.Module):
         self.head, self.neck = head, neck  # the head reads neck(embeddings), the pair loss the embeddings
         self.pair_weight = pair_weight  # 0: the head alone (the pair loss is not computed)
         self.last_head_loss = torch.zeros(())
+        self.register_load_state_dict_pre_hook(_checkpoint_layout)
 
     @property
     def weight(self) -> float:
@@ -175,20 +179,30 @@ class HeadedLoss(torch.nn.Module):
             momentum = momentum / self.weight
         return {**saved, "head": head}, RangeCopy(0, rows.shape[0], (rows, momentum))
 
-    # --- the checkpoint: the whole head keyed by class id, any W loads it ------------------------------------
-    def state_dict(self, *, everywhere: bool = False) -> dict[str, Any]:  # type: ignore[override]
-        """The pair loss's state and the whole head (a collective: every rank calls it together; the head's rows
-        and momentum reach rank 0 only unless ``everywhere``, see :meth:`ShardedMarginHead.whole_state`)."""
+    # --- nn.Module's state: a pair loss that is not a module keeps its own state here ---------------------------
+    def get_extra_state(self) -> dict[str, Any]:
+        """The pair loss's state when it is not a module (a module's entries are nn.Module's own)."""
+        return {} if isinstance(self.pair, torch.nn.Module) else {"pair": self.pair.state_dict()}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        if "pair" in state:
+            self.pair.load_state_dict(state["pair"])
+
+    # --- the checkpoint: the whole head keyed by class id, or each rank's range in files; any W loads it ------
+    def whole_state(self, *, everywhere: bool = False) -> dict[str, Any]:
+        """The pair loss's state, the whole head keyed by class id and the neck's, nested (the layout every
+        checkpoint before the range files was written in). A collective: every rank calls it together; the
+        head's rows and momentum reach rank 0 only unless ``everywhere`` (:meth:`ShardedMarginHead.whole_state`)."""
         state = {"pair": self.pair.state_dict(), "head": self.head.whole_state(everywhere=everywhere)}
         if self.neck is not None:
             state["neck"] = self.neck.state_dict()
         return state
 
-    def load_state_dict(self, saved: dict[str, Any]) -> None:  # type: ignore[override]
+    def load_saved(self, saved: dict[str, Any]) -> None:
         """A checkpoint's loss state, this rank's range of the head: read from the files that overlap it (a
         rank-range checkpoint: :meth:`range_state`'s dense state and ``ranges``, its manifest made absolute by
         :func:`~pksampler.train.modeling.range_checkpoint.located`), or taken from the whole head inside an
-        older checkpoint (:meth:`state_dict`'s layout)."""
+        older checkpoint (:meth:`whole_state`'s layout)."""
         if "head" not in saved:
             raise ValueError("the checkpoint has no head (head.name was null when it was written)")
         if "ranges" in saved:
@@ -199,10 +213,27 @@ class HeadedLoss(torch.nn.Module):
         self._load_pair_and_neck(saved)
 
     def _load_pair_and_neck(self, saved: dict[str, Any]) -> None:
-        """The dense parts of :meth:`state_dict`: the pair loss's state and the BNNeck's (which must match)."""
+        """The dense parts of :meth:`whole_state`: the pair loss's state and the BNNeck's (which must match)."""
         self.pair.load_state_dict(saved["pair"])
         if (self.neck is not None) != ("neck" in saved):
             raise ValueError(f"the checkpoint's head {'has' if 'neck' in saved else 'has no'} BNNeck, this run's "
                              f"head.bnneck is {self.neck is not None}: they must match")
         if self.neck is not None:
             self.neck.load_state_dict(saved["neck"])
+
+
+#: the top-level names of a checkpoint's loss state (:meth:`HeadedLoss.whole_state`, or the range files' layout)
+_CHECKPOINT_NAMES = ("pair", "head", "neck", "ranges")
+
+
+def _checkpoint_layout(module: HeadedLoss, state_dict: dict[str, Any], prefix: str, *_: Any) -> None:
+    """nn.Module's ``load_state_dict`` pre-hook: a checkpoint's loss state (nested, the head whole or in range
+    files) goes to :meth:`HeadedLoss.load_saved`, and the module's own entries of what it loaded stand in for
+    it, so nn.Module's loading finds every key it expects. A state with no head at all is refused in one line."""
+    if not isinstance(state_dict.get(prefix + "head"), dict):
+        if prefix + "head._extra_state" not in state_dict:
+            raise ValueError("the checkpoint has no head (head.name was null when it was written)")
+        return
+    module.load_saved({name: state_dict.pop(prefix + name) for name in _CHECKPOINT_NAMES
+                       if prefix + name in state_dict})
+    state_dict.update(module.state_dict(prefix=prefix))

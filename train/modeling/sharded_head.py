@@ -368,6 +368,23 @@ class ShardedMarginHead(torch.nn.Module):
         self.step = int(meta["step"])
         self.decay.load(meta["log_decay"])
 
+    def get_extra_state(self) -> dict[str, Any]:
+        """nn.Module's ``state_dict`` entry of the head: this rank's range (``start``, ``stop``; rows and momentum,
+        decay settled), the global step and the decay log. A checkpoint that any W loads is :meth:`whole_state`
+        or the range files (:mod:`~pksampler.train.modeling.range_checkpoint`)."""
+        meta, own = self.range_state()
+        rows, momentum = own.tensors
+        return {**meta, "start": own.lo, "stop": own.hi, "rows": rows, "momentum": momentum}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        """:meth:`get_extra_state`'s range, into a head that owns the same range (refused in one line otherwise)."""
+        self.check_saved(state)
+        if (int(state["start"]), int(state["stop"])) != (self.lo, self.hi):
+            raise ValueError(f"the saved head holds rows {state['start']}-{state['stop']}, this rank owns "
+                             f"{self.lo}-{self.hi}: a module state loads at its own world size and rank (any W "
+                             "loads whole_state() or a checkpoint's range files)")
+        self.load_range(state, lambda rows, momentum: (rows.copy_(state["rows"]), momentum.copy_(state["momentum"])))
+
     def set_rows(self, local: torch.Tensor, values: torch.Tensor) -> None:
         """Rows ``local`` (indices into this rank's range) become ``values`` (a continued run's kept and imprinted
         rows, ``train.init_from``); their momentum is left as it is."""

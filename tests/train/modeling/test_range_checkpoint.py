@@ -36,7 +36,7 @@ def _write(checkpoint, world: int) -> list[dict]:
         head_steps(loss.head, SparseRowSGD(loss.head, momentum=0.9, weight_decay=0.01), range(STEP))
         dense, own = loss.range_state()
         reference = write_ranges(checkpoint, "loss", own, num_rows=loss.num_rows, step=STEP, collectives=group)
-        return {**dense, "ranges": reference}, loss.state_dict(everywhere=True)["head"]
+        return {**dense, "ranges": reference}, loss.whole_state(everywhere=True)["head"]
 
     return run_ranks(world, work)
 

@@ -250,7 +250,7 @@ def test_the_checkpoints_layout_is_kept_so_checkpoints_written_before_load(tmp_p
     """The head became one module owning its state; the loss's checkpoint keeps the names every earlier
     checkpoint was written with, and such a state (momentum of the weighted rule included) loads."""
     saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1),
-                                                   neck=BNNeck(D)).state_dict())
+                                                   neck=BNNeck(D)).whole_state())
     assert sorted(saved) == ["head", "neck", "pair"] and sorted(saved["pair"]) == ["margin"]
     assert sorted(saved["head"]) == ["dim", "log_decay", "momentum", "momentum_of_own_loss", "num_classes", "rows",
                                      "step", "subcentres"]
@@ -269,6 +269,43 @@ def test_the_checkpoints_layout_is_kept_so_checkpoints_written_before_load(tmp_p
         lo, hi = shard_range(C, 2, rank)
         assert torch.equal(head.rows, saved["head"]["rows"][lo:hi]) and head.step == 3 and head.decay.steps == 3
         assert torch.equal(head.momentum, torch.full((hi - lo, 1, D), 1.0))  # divided back by head.weight
+
+
+def test_state_dict_is_nn_modules_own_this_ranks_state_which_loads_in_its_own_range_only():
+    """HeadedLoss inherits ``state_dict``/``load_state_dict``: the pair loss's, the neck's and the head's range
+    (its extra state) as flat keys; back into the same range bit for bit, refused in one line in another
+    (``whole_state`` and the range files are what any W loads)."""
+    assert HeadedLoss.state_dict is torch.nn.Module.state_dict
+    assert HeadedLoss.load_state_dict is torch.nn.Module.load_state_dict
+
+    def build(group):
+        return HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1), neck=BNNeck(D))
+
+    def stepped(group):
+        loss = build(group)
+        head_steps(loss.head, SparseRowSGD(loss.head, momentum=0.9, weight_decay=0.01), range(3))
+        with torch.no_grad():
+            loss.neck.norm.weight.mul_(2.0)
+        return loss.state_dict()
+
+    states = run_ranks(2, stepped)
+    assert sorted(states[1]) == ["_extra_state", "head._extra_state", "neck.norm.bias", "neck.norm.weight",
+                                 "pair.margin"]
+    assert (states[1]["head._extra_state"]["start"], states[1]["head._extra_state"]["stop"]) == shard_range(C, 2, 1)
+
+    def load(group):
+        loss = build(group)
+        loss.load_state_dict(states[group.rank])
+        return loss
+
+    for state, loss in zip(states, run_ranks(2, load)):
+        extra = state["head._extra_state"]
+        assert torch.equal(loss.head.rows, extra["rows"]) and torch.equal(loss.head.momentum, extra["momentum"])
+        assert loss.head.step == 3 and torch.equal(loss.head.decay.log, extra["log_decay"])
+        assert torch.equal(loss.neck.norm.weight, state["neck.norm.weight"]) and extra["momentum"].abs().sum() > 0
+    with pytest.raises(ValueError, match=r"the saved head holds rows 25-50, this rank owns 0-17: a module state "
+                                         r"loads at its own world size and rank"):
+        run_ranks(3, lambda group: build(group).load_state_dict(states[1]))
 
 
 def test_the_checkpoint_loads_with_weights_only(tmp_path):
@@ -395,7 +432,7 @@ def test_bnneck_state_is_saved_loads_with_weights_only_and_must_match(tmp_path):
         (_, _, _, _, loss_fn), = neck_step(1, spec, embeddings, labels)
         with torch.no_grad():
             loss_fn.neck.norm.weight.mul_(3.0)
-        return loss_fn.state_dict()
+        return loss_fn.whole_state()
 
     torch.save(run_ranks(1, save)[0], tmp_path / "loss.pt")
     saved = torch.load(tmp_path / "loss.pt", weights_only=True)
@@ -544,7 +581,7 @@ def test_a_hand_edited_checkpoints_head_is_refused_in_one_line_by_both_loaders(e
     """A head state whose momentum has not the rows' shape (one row that would broadcast over every class, or too
     few rows) or whose decay log is not a 1-D series is refused naming the field, by the checkpoint's loader and by
     the copy a resumed elastic job hands out (:meth:`HeadedLoss.saved_copy`), before any row is written."""
-    saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group)).state_dict())
+    saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group)).whole_state())
     edited = {**saved, "head": dict(saved["head"])}
     edited["head"].update({"momentum_broadcasts": {"momentum": torch.ones(1, 1, D)},
                            "momentum_short": {"momentum": torch.ones(C - 1, 1, D)},
