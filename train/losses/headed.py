@@ -168,7 +168,7 @@ class HeadedLoss(torch.nn.Module):
         self._load_pair_and_neck(dense)
 
     def saved_copy(self, saved: dict[str, Any]) -> tuple[dict[str, Any], RangeCopy]:
-        """An older checkpoint's loss state (the whole head inside it, :meth:`state_dict`'s layout) as
+        """An older checkpoint's loss state (the whole head inside it, :meth:`whole_state`'s layout) as
         :meth:`range_state` gives a range: the dense state and one copy of every row, for rank 0 of a resumed
         Horovod elastic job, which read the checkpoint and holds that head already. A rank-range checkpoint's
         rows are never copied whole: every rank reads its own range's files."""
