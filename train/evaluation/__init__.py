@@ -1,5 +1,5 @@
-"""Retrieval evaluation: faiss k-NN metrics (pure functions, :mod:`.metrics`), the gallery-sharded search
-for a gallery spread over the ranks (:mod:`.shard_search`, :mod:`.sharded`; :func:`sharded_retrieval` is
+"""Retrieval evaluation: faiss k-NN metrics (pure functions, :mod:`.metrics`), the search of a gallery
+split over the ranks, each holding a share (:mod:`.shard_search`, :mod:`.sharded`; :func:`sharded_retrieval` is
 the entry point for users' own loops), the query sample (:mod:`.queries`), the held-out evaluator that
 embeds on every rank (:mod:`.heldout`) and the gallery picture (:mod:`.render`).
 """

@@ -148,7 +148,7 @@ def _flagged_on_any_rank(backend: Backend, flags: np.ndarray) -> np.ndarray:
 class HeldOutEvaluator:
     """Recall@K, MAP@R etc. on held-out classes and a result gallery PNG per call (the hook records them).
 
-    The gallery is sharded over the ranks (each keeps the embeddings it
+    The gallery is split over the ranks (each keeps the embeddings it
     computed); at most ``queries`` of the held-out items are queries, a fixed
     class-stratified sample keyed by ``seed`` above that; ``search`` picks exact
     or IVF search (:func:`~.sharded.sharded_retrieval`'s ``index``, ``nprobe``,

@@ -11,7 +11,7 @@ queries, and the gallery is the training images of the queries' classes:
 * gallery: every training image of those classes, plus the queries (each
   query's own image is left out of its list; another class's held-out image
   is a distractor like any other image of that class);
-* the search is the held-out evaluation's, sharded over the ranks
+* the search is the held-out evaluation's, the gallery split over the ranks
   (:func:`~.sharded.sharded_retrieval`), so the metrics do not depend on W.
 
 For a run continued on a grown label set (``train.init_from``), the metrics

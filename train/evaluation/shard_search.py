@@ -1,8 +1,8 @@
-"""Exact k-NN over one shard of a gallery, and the merge of the shards' lists on (distance, global id).
+"""Exact k-NN over one share of a gallery, and the merge of the shares' lists on (distance, global id).
 
-The pure half of the gallery-sharded evaluation (:mod:`.sharded` is the
+The pure half of the evaluation of a gallery split over the ranks (:mod:`.sharded` is the
 distributed driver): numpy in, numpy out, so one process can check every
-world size by looping over shards.
+world size by looping over shares.
 
 Why the merged lists do not depend on how the gallery is split:
 

@@ -1,4 +1,4 @@
-"""Gallery-sharded retrieval evaluation: each rank searches its own share, no rank holds the gallery.
+"""Retrieval evaluation of a gallery split over the ranks: each rank searches its own share, no rank holds the gallery.
 
 :func:`sharded_retrieval` is the public entry point, for the trainer and for
 users' own loops (pytorch-metric-learning, OML or plain torch): every rank
