@@ -19,7 +19,7 @@ BatchNorm running statistics to ``folder/<rank>.json``.
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
 ``PKSAMPLER_TEST_TOY_TABLE=folder``: a hook keeps a second row-sharded table
-(:class:`ToyTable`, the sharded-state protocol) that every step adds its
+(tests/toy_table.py's :class:`ToyTable`, the sharded-state protocol) that every step adds its
 global step to; after training every rank writes its range to
 ``folder/<rank>.json``.
 """
@@ -37,8 +37,6 @@ sys.path.insert(0, str(ROOT / "train"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from retrieval import main  # noqa: E402
-
-import torch  # noqa: E402
 
 from pksampler.comm import world_info  # noqa: E402
 from pksampler.train.engine.hooks import HookBase  # noqa: E402
