@@ -53,6 +53,11 @@ SESSION = f"{os.environ.get(TAG, 'pytest')}/{os.getpid()}.{time.monotonic_ns()}"
 #: bit-for-bit runs turn fusion off (train.deterministic). A test that runs a command as the docs show passes
 #: ``env={"HOROVOD_CYCLE_TIME": None}`` to leave it unset.
 LAUNCH_DEFAULTS = {"HOROVOD_CYCLE_TIME": "10"}
+#: horovodrun's controller named, as the set-up built it (Gloo, no MPI: ``horovodrun --check-build``). Without it
+#: horovodrun asks whether MPI was built before it asks for Gloo, each question a forked process that imports
+#: horovod.torch and with it torch: a second import of torch per launch (1.3 CPU-s of a trivial ``horovodrun -np 1``'s
+#: 3.2). A test that runs a command as the docs show builds its own command line (test_default_command.py).
+HOROVODRUN_CONTROLLER = ("--gloo",)
 #: the launches this session started, by kind (horovodrun, torchrun, accelerate, lightning, s3 server, ...)
 LAUNCHES: collections.Counter[str] = collections.Counter()
 _live: dict[int, tuple[subprocess.Popen, str]] = {}
@@ -197,8 +202,8 @@ def free_port() -> int:
 def launch_command(launcher: str, script: str | Path, *args: str, np: int = 2, hosts: str | None = None) -> list[str]:
     """The command line that starts ``python script args`` on ``np`` local ranks (horovodrun: on ``hosts``)."""
     if launcher == "horovodrun":
-        return [str(HOROVODRUN), "-np", str(np), "-H", hosts or f"localhost:{np}", "--start-timeout", "120",
-                sys.executable, str(script), *args]
+        return [str(HOROVODRUN), *HOROVODRUN_CONTROLLER, "-np", str(np), "-H", hosts or f"localhost:{np}",
+                "--start-timeout", "120", sys.executable, str(script), *args]
     if launcher in ("torchrun", LEGACY):
         module = "torch.distributed.run" if launcher == "torchrun" else LEGACY
         return [sys.executable, "-m", module, "--nproc_per_node", str(np),
@@ -206,7 +211,9 @@ def launch_command(launcher: str, script: str | Path, *args: str, np: int = 2, h
     raise ValueError(f"launcher must be one of {LAUNCHERS + (LEGACY,)}, got {launcher!r}")
 
 
-def _environment(env: dict[str, str] | None) -> dict[str, str]:
+def environment(env: dict[str, str | None] | None = None) -> dict[str, str | None]:
+    """The environment a launch runs in: this one, one OpenMP thread per rank, unbuffered output, a Gloo timeout
+    for 16 ranks on two busy cores, then ``env`` (a value of None leaves that variable unset)."""
     # Gloo's rendezvous waits 30 s by default; 16 ranks importing torch on 2 busy cores can take longer.
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HOROVOD_GLOO_TIMEOUT_SECONDS": "180",
             **(env or {})}
@@ -216,7 +223,7 @@ def launch(launcher: str, script: str | Path, *args: str, np: int = 2, timeout: 
            env: dict[str, str] | None = None, hosts: str | None = None) -> subprocess.CompletedProcess[str]:
     """Run the script on ``np`` ranks; stdout and stderr merged. A timeout kills the whole launcher."""
     command = launch_command(launcher, script, *args, np=np, hosts=hosts)
-    return run_launcher(command, kind=launcher, timeout=timeout, env=_environment(env))
+    return run_launcher(command, kind=launcher, timeout=timeout, env=environment(env))
 
 
 def run_launcher(command: list[str], *, kind: str, timeout: float, env: dict[str, str] | None = None,
@@ -265,7 +272,7 @@ def start_agent(command: list[str], log: Path, *, env: dict[str, str] | None = N
     horovod = any("horovodrun" in Path(part).name for part in command[:2])  # horovodrun, or a script wrapping it
     kind = "torchrun" if "torch.distributed.run" in command else "horovodrun" if horovod else Path(command[0]).name
     with open(log, "w", encoding="utf-8") as stream:
-        return spawn(command, kind=kind, cwd=ROOT, env=_environment(env), stdout=stream, stderr=subprocess.STDOUT,
+        return spawn(command, kind=kind, cwd=ROOT, env=environment(env), stdout=stream, stderr=subprocess.STDOUT,
                      text=True)
 
 

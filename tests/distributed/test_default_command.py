@@ -6,8 +6,10 @@ beside the other files' tests.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
-from launch import launch
+from launch import HOROVODRUN, environment, run_launcher
 from trainer_runs import SCRIPT
 
 pytestmark = pytest.mark.horovod
@@ -16,8 +18,11 @@ pytestmark = pytest.mark.horovod
 @pytest.mark.slow
 def test_the_default_command_at_sixteen_ranks(tmp_path):
     # `horovodrun -np 16 python train/retrieval.py` with the default config; one epoch to bound the time.
-    result = launch("horovodrun", SCRIPT, "--set", f"workspace={tmp_path / 'np16'}", "--set", "train.epochs=1",
-                    np=16, timeout=540, env={"HOROVOD_CYCLE_TIME": None})  # Horovod's own cycle, as users run it
+    # The command line as README writes it (no -H, no --gloo: horovodrun finds its controller as it does for a
+    # user), and Horovod's own coordination cycle.
+    command = [str(HOROVODRUN), "-np", "16", sys.executable, str(SCRIPT),
+               "--set", f"workspace={tmp_path / 'np16'}", "--set", "train.epochs=1"]
+    result = run_launcher(command, kind="horovodrun", timeout=540, env=environment({"HOROVOD_CYCLE_TIME": None}))
     assert result.returncode == 0, result.stdout[-4000:]
     assert "world=16" in result.stdout and "batch/rank=4 global=64" in result.stdout
     workspace = tmp_path / "np16"
