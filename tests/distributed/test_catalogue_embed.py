@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 from catalogue_fixtures import make_checkpoint, render_folder
-from launch import HOROVODRUN, ROOT, horovodrun, rank_tracebacks, run_launcher
+from launch import HOROVODRUN, HOROVODRUN_CONTROLLER, ROOT, horovodrun, rank_tracebacks, run_launcher
 from PIL import Image
 
 from pksampler.train.catalogue.embed import EmbedOptions, embed_catalogue
@@ -134,7 +134,8 @@ def test_ranks_given_different_catalogues_stop_together_with_one_line(tmp_path):
     render_folder(tmp_path / "d1", classes=3, per_class=3)
     command = (f"exec {sys.executable} {SCRIPT} --checkpoint {checkpoint} --data {tmp_path}/d$HOROVOD_RANK "
                f"--out {tmp_path / 'out'} --workers 0")
-    result = run_launcher([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "bash", "-c", command],
+    result = run_launcher([str(HOROVODRUN), *HOROVODRUN_CONTROLLER, "-np", "2", "-H", "localhost:2",
+                           "bash", "-c", command],
                           kind="horovodrun", env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
     output = result.stdout
     assert result.returncode != 0
@@ -148,7 +149,8 @@ def test_a_data_folder_missing_on_one_rank_is_one_line_from_that_rank_and_no_tra
     render_folder(tmp_path / "d0", classes=2, per_class=3)  # d1 is missing: rank 1's host lacks the data
     command = (f"exec {sys.executable} {SCRIPT} --checkpoint {checkpoint} --data {tmp_path}/d$HOROVOD_RANK "
                f"--out {tmp_path / 'out'} --workers 0")
-    result = run_launcher([str(HOROVODRUN), "-np", "2", "-H", "localhost:2", "bash", "-c", command],
+    result = run_launcher([str(HOROVODRUN), *HOROVODRUN_CONTROLLER, "-np", "2", "-H", "localhost:2",
+                           "bash", "-c", command],
                           kind="horovodrun", env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240)
     output = result.stdout
     assert result.returncode != 0

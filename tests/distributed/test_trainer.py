@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launch import LAUNCHERS, launch, shared_run
+from launch import LAUNCHERS, ROOT, environment, launch, run_launcher, shared_run
 from trainer_runs import HOOKED, SCRIPT, TINY, backend_of, checkpoint, max_difference, write_config
 
 pytestmark = pytest.mark.horovod
@@ -89,56 +90,99 @@ def test_a_checkpoint_resumes_on_another_world_size_without_edits(resumable):
 # multi-similarity ~2e-6, batch-hard ~2e-4 (~1e-5 at lr 0.005).
 EQUIVALENCE = {"optim": {"name": "sgd", "lr": 0.01, "base_batch": 12, "warmup_steps": 3},
                "loss": {"name": "multi_similarity", "args": {}}}
+RUNNER = ROOT / "tests" / "distributed" / "trace_runs.py"
+
+
+def _configs(folder: Path) -> dict[str, Path]:
+    """The configs the two-rank and one-process runs share, by run name (each a file of its own)."""
+    from pksampler.datasets import SyntheticProducts
+
+    SyntheticProducts(24, 6, image_size=32, root=folder / "folder")
+    packed = subprocess.run([sys.executable, "-m", "pksampler.datasets.pack", str(folder / "folder"),
+                             str(folder / "shards"), "--shard-size", "64KB"], capture_output=True, text=True)
+    assert packed.returncode == 0, packed.stderr[-2000:]
+    configs = {
+        # 20 SGD steps: the world-size, backend and "training moved the parameters" comparisons
+        "equivalent": write_config(folder, "equivalent", train__max_steps=20, train__epochs=20,
+                                   train__checkpoint_every=0, **EQUIVALENCE),
+        # a cross-batch memory of 3 global batches, 10 steps
+        "memory": write_config(folder, "memory", train__max_steps=10, train__epochs=20, train__checkpoint_every=0,
+                               loss={"name": "multi_similarity", "args": {}, "memory": {"size": 3, "warmup_steps": 2}},
+                               optim=EQUIVALENCE["optim"]),
+        "triplet": write_config(folder, "triplet", sampler={"name": "triplet", "triplets_per_step": 6, "args": {
+            "negatives": "hard", "hard_classes": 3, "hard_fraction": 0.5}},
+            loss={"name": "triplet", "args": {"margin": 0.2}}),
+    }
+    for source in ("folder", "shards"):
+        configs[source] = write_config(folder, source, data={**TINY["data"], "name": source,
+                                                             "root": str(folder / source), "args": {}})
+    return configs
+
+
+def _trace_runs(folder: Path, name: str, runs: dict[str, tuple[Path, list[str]]], *, launcher: str | None,
+                np: int = 2) -> subprocess.CompletedProcess[str]:
+    """Train ``runs`` (name: config, overrides) one after the other in one launch (trace_runs.py), each in
+    ``folder / name / <run>``; ``launcher`` None: one plain process."""
+    spec = folder / f"{name}.json"
+    spec.write_text(json.dumps({"root": str(folder / name), "runs": {
+        run: {"config": str(config), "set": list(sets)} for run, (config, sets) in runs.items()}}))
+    if launcher is None:
+        return run_launcher([sys.executable, str(RUNNER), str(spec)], kind="python", timeout=300,
+                            env=environment())
+    return launch(launcher, RUNNER, str(spec), np=np)
 
 
 @shared_run()
-def equivalent(folder: Path) -> dict[str, subprocess.CompletedProcess[str]]:
-    """One config file (20 SGD steps), run at two ranks and at one under each launcher, and once for no step: five
-    launches serve the world-size, backend and "training moved the parameters" comparisons."""
-    config = write_config(folder, "run", train__max_steps=20, train__epochs=20, train__checkpoint_every=0,
-                          **EQUIVALENCE)
-    runs = {}
-    for launcher in LAUNCHERS:
-        for name, ranks in ((f"{launcher}-two", 2), (f"{launcher}-one", 1)):
-            runs[name] = launch(launcher, SCRIPT, "--config", str(config), "--set", f"workspace={folder / name}",
-                                np=ranks)
-    runs["start"] = launch("horovodrun", SCRIPT, "--config", str(config), "--set", f"workspace={folder / 'start'}",
-                           "--set", "train.max_steps=0", np=1)
-    runs["folder"] = folder
-    return runs
+def trained(folder: Path) -> dict:
+    """The short trainings that compare, one launch per world size and launcher (trace_runs.py trains several
+    configs in one launch; the first run is the same in each, so each comparison reads runs in the same place):
+    horovodrun -np 2 trains every config, torchrun -np 2 the 20-step one, one process the 20-step one, the memory
+    one and the 20-step config for no step. Three launches serve the world-size, backend, cross-batch memory,
+    triplet and packed-shard comparisons."""
+    configs = _configs(folder)
+    return {"folder": folder,
+            "horovodrun": _trace_runs(folder, "horovodrun", {run: (config, []) for run, config in configs.items()},
+                                      launcher="horovodrun"),
+            "torchrun": _trace_runs(folder, "torchrun", {"equivalent": (configs["equivalent"], [])},
+                                    launcher="torchrun"),
+            "one": _trace_runs(folder, "one", {"equivalent": (configs["equivalent"], []),
+                                               "memory": (configs["memory"], []),
+                                               "start": (configs["equivalent"], ["train.max_steps=0"])},
+                               launcher=None)}
+
+
+def _finished(trained: dict, *names: str) -> Path:
+    for name in names:
+        result = trained[name]
+        assert result.returncode == 0, result.stdout[-4000:]
+    return trained["folder"]
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_ranks_train_the_same_model_as_one_process_with_the_same_config(equivalent, launcher):
-    # The same file at -np 2 and -np 1: the global batch is configured, not the per-rank one.
-    two, single, start = equivalent[f"{launcher}-two"], equivalent[f"{launcher}-one"], equivalent["start"]
-    for result in (two, single, start):
-        assert result.returncode == 0, result.stdout[-4000:]
-    assert "world=1" in single.stdout and "global=12" in single.stdout and "batch/rank=6" in two.stdout
-    folder = equivalent["folder"]
-    difference = max_difference(checkpoint(folder / f"{launcher}-two")["model"],
-                                checkpoint(folder / f"{launcher}-one")["model"])
+def test_two_ranks_train_the_same_model_as_one_process_with_the_same_config(trained, launcher):
+    # The same file at -np 2 and in one process: the global batch is configured, not the per-rank one.
+    folder = _finished(trained, launcher, "one")
+    assert "world=1" in trained["one"].stdout and "global=12" in trained["one"].stdout
+    assert "world=2" in trained[launcher].stdout and "batch/rank=6" in trained[launcher].stdout
+    difference = max_difference(checkpoint(folder / launcher / "equivalent")["model"],
+                                checkpoint(folder / "one" / "equivalent")["model"])
     assert difference < 1e-4, difference
-    moved = max_difference(checkpoint(folder / "start")["model"], checkpoint(folder / f"{launcher}-one")["model"])
+    moved = max_difference(checkpoint(folder / "one" / "start")["model"],
+                           checkpoint(folder / "one" / "equivalent")["model"])
     assert moved > 100 * difference, (moved, difference)  # training really changed the parameters
 
 
-def test_horovod_and_torch_backends_train_the_same_model(equivalent):
-    for launcher in LAUNCHERS:
-        assert equivalent[f"{launcher}-two"].returncode == 0, equivalent[f"{launcher}-two"].stdout[-4000:]
-    folder = equivalent["folder"]
-    difference = max_difference(checkpoint(folder / "horovodrun-two")["model"],
-                                checkpoint(folder / "torchrun-two")["model"])
+def test_horovod_and_torch_backends_train_the_same_model(trained):
+    folder = _finished(trained, *LAUNCHERS)
+    assert "backend=horovod" in trained["horovodrun"].stdout and "backend=torch" in trained["torchrun"].stdout
+    difference = max_difference(checkpoint(folder / "horovodrun" / "equivalent")["model"],
+                                checkpoint(folder / "torchrun" / "equivalent")["model"])
     assert difference < 1e-4, difference
 
 
-def test_triplet_sampler_with_hard_negatives_trains_on_two_ranks(tmp_path):
-    config = write_config(tmp_path, "triplet", sampler={"name": "triplet", "triplets_per_step": 6, "args": {
-        "negatives": "hard", "hard_classes": 3, "hard_fraction": 0.5}},
-        loss={"name": "triplet", "args": {"margin": 0.2}})
-    result = launch("horovodrun", SCRIPT, "--config", str(config))
-    assert result.returncode == 0, result.stdout[-4000:]
-    tables = checkpoint(tmp_path / "triplet")["sampler"]["neighbour_tables"]
+def test_triplet_sampler_with_hard_negatives_trains_on_two_ranks(trained):
+    folder = _finished(trained, "horovodrun")
+    tables = checkpoint(folder / "horovodrun" / "triplet")["sampler"]["neighbour_tables"]
     assert tables and tables[-1][1].shape[1] == 3  # the table refreshed after epoch 1 is saved for resuming
 
 
@@ -163,40 +207,23 @@ def test_three_ranks_train_the_same_model_as_one_process_with_the_default_config
     assert difference < 1e-5, difference
 
 
-def test_cross_batch_memory_is_the_same_at_one_and_two_ranks(tmp_path):
+def test_cross_batch_memory_is_the_same_at_one_and_two_ranks(trained):
     # Gathered embeddings: the memory holds the global batches, whatever the world size.
-    config = write_config(tmp_path, "run", train__max_steps=10, train__epochs=20, train__checkpoint_every=0,
-                          loss={"name": "multi_similarity", "args": {}, "memory": {"size": 3, "warmup_steps": 2}},
-                          optim=EQUIVALENCE["optim"])
-    for np_, name in ((2, "two"), (1, "one")):
-        result = launch("horovodrun", SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / name}", np=np_)
-        assert result.returncode == 0, result.stdout[-4000:]
-    two, one = (checkpoint(tmp_path / name) for name in ("two", "one"))
+    folder = _finished(trained, "horovodrun", "one")
+    two, one = (checkpoint(folder / name / "memory") for name in ("horovodrun", "one"))
     assert two["loss"]["memory"]["steps"] == one["loss"]["memory"]["steps"] == 10
     assert max_difference({k: v for k, v in two["loss"]["memory"].items() if isinstance(v, torch.Tensor)},
                           {k: v for k, v in one["loss"]["memory"].items() if isinstance(v, torch.Tensor)}) < 1e-4
-    losses = [[json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
-               if '"step"' in line] for name in ("two", "one")]
+    losses = [[json.loads(line)["loss"] for line in (folder / name / "memory" / "metrics.jsonl").read_text()
+               .splitlines() if '"step"' in line] for name in ("horovodrun", "one")]
     assert len(losses[0]) == 10 and max(abs(a - b) for a, b in zip(*losses)) < 1e-4
 
 
-def test_training_from_packed_shards_matches_the_image_folder(tmp_path):
-    import sys
-
-    from pksampler.datasets import SyntheticProducts
-
-    SyntheticProducts(24, 6, image_size=32, root=tmp_path / "folder")
-    packed = subprocess.run([sys.executable, "-m", "pksampler.datasets.pack", str(tmp_path / "folder"),
-                             str(tmp_path / "shards"), "--shard-size", "64KB"], capture_output=True, text=True)
-    assert packed.returncode == 0, packed.stderr[-2000:]
-    assert len(list((tmp_path / "shards").glob("shard-*.tar"))) > 1
-    metrics = {}
-    for source in ("folder", "shards"):
-        config = write_config(tmp_path, f"run_{source}", data={**TINY["data"], "name": source,
-                                                                "root": str(tmp_path / source), "args": {}})
-        result = launch("horovodrun", SCRIPT, "--config", str(config))
-        assert result.returncode == 0, result.stdout[-4000:]
-        metrics[source] = json.loads((tmp_path / f"run_{source}" / "final_metrics.json").read_text())
+def test_training_from_packed_shards_matches_the_image_folder(trained):
+    folder = _finished(trained, "horovodrun")
+    assert len(list((folder / "shards").glob("shard-*.tar"))) > 1
+    metrics = {source: json.loads((folder / "horovodrun" / source / "final_metrics.json").read_text())
+               for source in ("folder", "shards")}
     assert metrics["shards"] == metrics["folder"]
 
 
