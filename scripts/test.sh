@@ -37,10 +37,11 @@ echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.sp
 # Two worker processes (pytest-xdist; PKSAMPLER_TEST_WORKERS=N for another count, 0 for none): a launched test
 # spends much of its time starting ranks and waiting on collectives, so a second worker's tests fill those gaps.
 # --dist loadfile keeps a test file on one worker: the launches its module fixtures share start once. Arguments
-# that turn xdist off (-p no:xdist) get one process, as PKSAMPLER_TEST_WORKERS=0 does.
+# that turn xdist off (-p no:xdist) get one process, as PKSAMPLER_TEST_WORKERS=0 does. Files are handed out in
+# tests/conftest.py's order (longest first, in-process files last), not xdist's (most tests first).
 parallel=()
 if [[ "$((10#$workers))" -gt 0 && " $* " != *" -p no:xdist "* && " $* " != *" -pno:xdist "* ]]; then
-    parallel=(-n "$((10#$workers))" --dist loadfile)
+    parallel=(-n "$((10#$workers))" --dist loadfile --no-loadscope-reorder)
 fi
 # --durations=25: the slowest tests, printed at the end of every run, so the suite's cost is a recorded fact;
 # the session's summary also counts the launches (tests/launch.py).
