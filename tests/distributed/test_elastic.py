@@ -399,9 +399,10 @@ def test_the_sharded_head_survives_a_host_leaving_and_a_resume_on_every_rank(tmp
 def test_survivors_below_min_np_end_with_one_clear_error_long_before_horovods_timeout(tmp_path):
     # Horovod alone would wait HOROVOD_ELASTIC_TIMEOUT (600 s by default) and then blame a worker's exit status.
     # The bound below separates our 7 s wait (HOROVOD_ELASTIC_TIMEOUT less 5 s; no host comes back, so any
-    # value above 5 s tests the same) from those 600 s with room for a loaded machine's teardown.
-    run = run_elastic(tmp_path, hosts=TWO_HOSTS, then=ONE_HOST, np=4, min_np=4, max_np=4, after_step=2,
-                      env={"HOROVOD_ELASTIC_TIMEOUT": "12"})
+    # value above 5 s tests the same) from those 600 s with room for a loaded machine's teardown. Two hosts of one
+    # slot: one worker is left, below --min-np 2 (the wait does not depend on how many survive).
+    run = run_elastic(tmp_path, hosts="localhost:1\n127.0.0.1:1\n", then="localhost:1\n", np=2, min_np=2, max_np=2,
+                      after_step=2, env={"HOROVOD_ELASTIC_TIMEOUT": "12"})
     took = run.ended_at - run.changed_at
     print(f"[elastic] below --min-np: the job ended {took:.1f} s after the host left", flush=True)
     assert run.returncode != 0, run.output[-3000:]
