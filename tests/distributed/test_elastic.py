@@ -250,8 +250,6 @@ def _check_same_model(workspace: Path, reference: Path) -> None:
 HEAD_SETTINGS = (*JOIN_SETTINGS, "head.name=cosface", "head.scale=16", "head.margin=0.2", "head.bnneck=false")
 
 
-
-
 def _hosts_of_rank_0(records: Path) -> set[str]:
     """Where rank 0 ran so far, as Horovod names the hosts (its placement of the two hosts varies by run)."""
     hosts = {r["host"] for path in records.glob("*.jsonl") for r in map(json.loads, path.read_text().splitlines())
