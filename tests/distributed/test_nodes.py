@@ -25,13 +25,13 @@ from tiny_runs import folder_keys, read_trained
 pytestmark = pytest.mark.horovod
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
 SCRIPT = ROOT / "train" / "retrieval.py"
-STEPS = 6
+STEPS = 4
 #: the default data (configs/demo.yaml) with configs/folder.yaml's model, loss and head keys and the head it offers
 #: turned on (the BatchNorm neck on the gathered batch, the sharded head), a few steps, a checkpoint mid-run
 #: (written in the background)
 ARGS = (*(argument for key in folder_keys() for argument in ("--set", key)), "--set", "head.name=arcface",
         "--set", f"train.max_steps={STEPS}",
-        "--set", "train.checkpoint_every=3", "--set", "train.deterministic=true")
+        "--set", "train.checkpoint_every=2", "--set", "train.deterministic=true")
 
 
 def _run(launcher: str, workspace: Path, *, two_nodes: bool) -> str:
