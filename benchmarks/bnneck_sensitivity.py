@@ -126,6 +126,8 @@ KNOBS: dict[str, tuple[list[str], Callable[[Any], None] | None]] = {
     "the margin from step 1 (softmax_steps 0, no ramp)": (["head.softmax_steps=0", "head.margin_ramp_steps=0"], None),
     "head.scale 5 (default 10)": (["head.scale=5"], None),
     "optim.lr 0.001 (the network's rate / 4)": (["optim.lr=0.001"], None),
+    "optim.clip_grad_norm 5 (insightface's)": (["optim.clip_grad_norm=5"], None),
+    "optim.clip_grad_norm 1": (["optim.clip_grad_norm=1"], None),
     "head.weight 0.3": (["head.weight=0.3"], None),
     "head.weight 0.1": (["head.weight=0.1"], None),
     "no neck (head.bnneck=false)": (["head.bnneck=false"], None),
@@ -135,6 +137,7 @@ KNOBS: dict[str, tuple[list[str], Callable[[Any], None] | None]] = {
     "the pair loss alone (head.name=null)": (["head.name=null"], None),
     "AdamW (the recipe's optimiser) at its rate 0.004": (["optim.name=adamw"], None),
     "AdamW, the pair loss alone": (["optim.name=adamw", "head.name=null"], None),
+    "AdamW, optim.clip_grad_norm 5": (["optim.name=adamw", "optim.clip_grad_norm=5"], None),
 }
 
 
