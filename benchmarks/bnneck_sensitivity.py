@@ -58,7 +58,7 @@ class ScaleWeights(HookBase):
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for parameter in self.trainer.parts.model.parameters():
-                parameter.mul_(1 + self.eps * torch.randn(parameter.shape, generator=generator))
+                parameter.mul_(1 + self.eps * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
 
 
 def step_losses(workspace: Path) -> list[float]:

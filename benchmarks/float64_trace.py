@@ -12,11 +12,11 @@ that shrinks by that much is rounding amplified by the training; one that
 stays near its float32 size is a real difference between world sizes (an
 order of rows, a divisor, a parameter outside the averaged set).
 
-The trainer computes in float32; float64 is reached by converting the
-model and the headed loss (the head's rows and BNNeck) as they are built,
-the augmented images on their way into the model, and by keeping the step's
-``.float()`` casts at float64. A measurement only: nothing in the package runs
-like this.
+The runs are tests/distributed/trace_runs.py's, which trains a run in
+float64 when its spec says so (``computing_in``: the model and the headed
+loss converted as they are built, the images on their way in, the step's
+``.float()`` casts kept at float64). A measurement only: the package trains in
+float32 (or lower).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -36,56 +35,20 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 
 
-def train_in(dtype: str) -> None:
-    """Make this process train in ``dtype``: the model and the headed loss (the head's rows, its BNNeck) are
-    converted as they are built, the augmented images on their way in, and the step's ``.float()`` casts keep it."""
-    import torch
-
-    from pksampler.train import run_setup
-    from pksampler.train.runtime import loader
-
-    from pksampler.train.engine.trainer import Trainer
-
-    kind, plain_float, plain_step = getattr(torch, dtype), torch.Tensor.float, Trainer.forward_backward
-
-    def forward_backward(self: Trainer, *args: Any, **kwargs: Any) -> None:
-        torch.Tensor.float = lambda tensor, *_, **__: tensor.to(kind)  # the step's casts (not the augmentation's)
-        try:
-            plain_step(self, *args, **kwargs)
-        finally:
-            torch.Tensor.float = plain_float
-
-    Trainer.forward_backward = forward_backward
-    plain_input, plain_model = loader.to_model_input, run_setup.build_model
-    loader.to_model_input = lambda images, setup, transform: plain_input(images, setup, transform).to(kind)
-    run_setup.build_model = lambda *args, **kwargs: plain_model(*args, **kwargs).to(kind)
-    plain_loss = run_setup.HeadedLoss.from_config.__func__
-    run_setup.HeadedLoss.from_config = classmethod(lambda cls, *args, **kwargs: plain_loss(cls, *args, **kwargs).to(kind))
-
-
-def rank_main(spec: Path, dtype: str) -> None:
-    """One rank (or the one process): every run of ``spec`` (trace_runs.py's format) in ``dtype``."""
-    train_in(dtype)
-    import trace_runs
-
-    trace_runs.run_all(spec)
-
-
 def world_trace(world: int, launcher: str | None, root: Path, sets: list[str], dtype: str) -> np.ndarray:
     """The step losses of the head run at ``world`` ranks."""
     from launch import launch
-    from test_global_neck import COMMON, _losses
+    from test_global_neck import COMMON, RUNNER, _losses
 
     spec = root / f"runs{world}.json"
-    spec.write_text(json.dumps({"root": str(root / str(world)),
-                                "runs": {"head": {"config": None, "set": [*COMMON, "head.name=arcface", *sets]}}}))
-    args = [str(spec), "--rank-of", dtype]
+    run = {"config": None, "set": [*COMMON, "head.name=arcface", *sets], "dtype": None if dtype == "float32" else dtype}
+    spec.write_text(json.dumps({"root": str(root / str(world)), "runs": {"head": run}}))
     if launcher is None:
-        result = subprocess.run([sys.executable, __file__, *args], cwd=ROOT, capture_output=True, text=True,
+        result = subprocess.run([sys.executable, str(RUNNER), str(spec)], cwd=ROOT, capture_output=True, text=True,
                                 timeout=900)
         output = result.stdout + result.stderr
     else:
-        result = launch(launcher, Path(__file__), *args, np=world, timeout=900)
+        result = launch(launcher, RUNNER, str(spec), np=world, timeout=900)
         output = result.stdout
     if result.returncode != 0:
         raise SystemExit(f"-np {world} failed:\n{output[-4000:]}")
@@ -93,9 +56,6 @@ def world_trace(world: int, launcher: str | None, root: Path, sets: list[str], d
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[2] == "--rank-of":
-        rank_main(Path(sys.argv[1]), sys.argv[3])
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
