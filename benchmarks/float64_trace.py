@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmarks/float64_trace.py [--set KEY=VALUE ...] [--dtype float64|float32]
 
-Trains the ``head`` run of tests/distributed/test_global_neck.py
+Trains the ``head_fp64`` run of tests/distributed/test_global_neck.py
 (``head.name=arcface`` with the recipe's defaults, 12 SGD steps on the demo
 data, plus any ``--set``) in one process, under torchrun -np 2 and under
 horovodrun -np 3, every tensor in ``--dtype``, and prints each world size's
@@ -22,8 +22,6 @@ float32 (or lower).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -35,24 +33,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 
 
-def world_trace(world: int, launcher: str | None, root: Path, sets: list[str], dtype: str) -> np.ndarray:
+def world_trace(world: int, root: Path, sets: list[str], dtype: str) -> np.ndarray:
     """The step losses of the head run at ``world`` ranks."""
-    from launch import launch
-    from test_global_neck import COMMON, RUNNER, _losses
+    from test_global_neck import COMMON, _losses, trace_world
 
-    spec = root / f"runs{world}.json"
     run = {"config": None, "set": [*COMMON, "head.name=arcface", *sets], "dtype": None if dtype == "float32" else dtype}
-    spec.write_text(json.dumps({"root": str(root / str(world)), "runs": {"head": run}}))
-    if launcher is None:
-        result = subprocess.run([sys.executable, str(RUNNER), str(spec)], cwd=ROOT, capture_output=True, text=True,
-                                timeout=900)
-        output = result.stdout + result.stderr
-    else:
-        result = launch(launcher, RUNNER, str(spec), np=world, timeout=900)
-        output = result.stdout
-    if result.returncode != 0:
-        raise SystemExit(f"-np {world} failed:\n{output[-4000:]}")
-    return _losses(root / str(world) / "head")
+    return _losses(trace_world(root, world, {"head": run})[0] / "head")
 
 
 def main() -> None:
@@ -61,8 +47,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
-        traces = {world: world_trace(world, launcher, Path(folder), args.sets, args.dtype)
-                  for world, launcher in ((1, None), (2, "torchrun"), (3, "horovodrun"))}
+        traces = {world: world_trace(world, Path(folder), args.sets, args.dtype) for world in (1, 2, 3)}
     print(f"{args.dtype}, head.name=arcface {' '.join(args.sets)}: losses at -np 1: "
           + " ".join(f"{x:.6f}" for x in traces[1]))
     for world in (2, 3):
