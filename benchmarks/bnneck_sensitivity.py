@@ -1,6 +1,7 @@
 """How much a rounding-sized change of the starting weights moves the loss trace, with and without the BNNeck.
 
 Run: .venv/bin/python benchmarks/bnneck_sensitivity.py [--eps 1e-7] [--elastic-head | --head-knobs [KNOB ...]]
+     [--dtype float64]
 
 Trains the tiny sharded-head config of tests/distributed/test_sharded_head.py
 (7 steps of 18 images, ArcFace with sub-centres) in one process four times:
@@ -16,13 +17,17 @@ steps, CosFace beside the pair loss, no BNNeck), with and without the model's
 BatchNorm neck on the gathered batch (``model.neck: batch``, configs/folder.yaml's).
 
 ``--head-knobs`` finds which part of the head's defaults amplifies the
-change: the ``head`` run of tests/distributed/test_global_neck.py
+change: the ``head_fp64`` run of tests/distributed/test_global_neck.py in float32
 (``head.name=arcface``, every other head key its default: the BNNeck, weight 1;
 12 SGD steps on the demo data) with one knob turned at a time. For each knob
 it prints the relative distance of the network's weights and of the head's
 rows from the unperturbed run after steps 4, 8 and 12, the network's
 per-step growth factor over the 12 steps, the largest relative change of the
 loss, and the mean L2 norm of the network's gradient.
+
+``--dtype float64`` trains every run in float64 (tests/distributed/trace_runs.py's
+``computing_in``): whether a difference of any size grows, or only one large
+enough to flip the training's switches (a ReLU, a mined pair).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from test_elastic import HEAD_SETTINGS  # noqa: E402
 from test_global_neck import COMMON  # noqa: E402
 from test_sharded_head import CONFIG  # noqa: E402
+from trace_runs import computing_in  # noqa: E402
 
 from pksampler.train import main as train  # noqa: E402
 from pksampler.train.config.load import build_config, load_config  # noqa: E402
@@ -58,7 +64,7 @@ class ScaleWeights(HookBase):
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for parameter in self.trainer.parts.model.parameters():
-                parameter.mul_(1 + self.eps * torch.randn(parameter.shape, generator=generator))
+                parameter.mul_(1 + self.eps * torch.randn(parameter.shape, generator=generator, dtype=parameter.dtype))
 
 
 def step_losses(workspace: Path) -> list[float]:
@@ -126,15 +132,19 @@ KNOBS: dict[str, tuple[list[str], Callable[[Any], None] | None]] = {
     "the margin from step 1 (softmax_steps 0, no ramp)": (["head.softmax_steps=0", "head.margin_ramp_steps=0"], None),
     "head.scale 5 (default 10)": (["head.scale=5"], None),
     "optim.lr 0.001 (the network's rate / 4)": (["optim.lr=0.001"], None),
+    "optim.clip_grad_norm 5 (insightface's)": (["optim.clip_grad_norm=5"], None),
+    "optim.clip_grad_norm 1": (["optim.clip_grad_norm=1"], None),
     "head.weight 0.3": (["head.weight=0.3"], None),
     "head.weight 0.1": (["head.weight=0.1"], None),
     "no neck (head.bnneck=false)": (["head.bnneck=false"], None),
     "the neck in the model (model.neck=batch head.bnneck=false)": (["model.neck=batch", "head.bnneck=false"], None),
     "the neck in the model, head.weight 0.1 (folder.yaml's head)":
         (["model.neck=batch", "head.bnneck=false", "head.weight=0.1"], None),
+    "the head alone (loss.weight 0: no mined pairs)": (["loss.weight=0"], None),
     "the pair loss alone (head.name=null)": (["head.name=null"], None),
     "AdamW (the recipe's optimiser) at its rate 0.004": (["optim.name=adamw"], None),
     "AdamW, the pair loss alone": (["optim.name=adamw", "head.name=null"], None),
+    "AdamW, optim.clip_grad_norm 5": (["optim.name=adamw", "optim.clip_grad_norm=5"], None),
 }
 
 
@@ -187,10 +197,13 @@ def main() -> None:
                         help="the elastic head tests' run, with and without the model's neck (model.neck: batch)")
     parser.add_argument("--head-knobs", nargs="*", default=None, metavar="KNOB",
                         help="the trace test's head run with each knob (default: every knob)")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32",
+                        help="with --head-knobs: the precision every run trains in")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.head_knobs is not None:
-        head_knobs(args.head_knobs, args.eps)
+        with computing_in(None if args.dtype == "float32" else args.dtype):
+            head_knobs(args.head_knobs, args.eps)
         return
     rows = []
     with tempfile.TemporaryDirectory() as folder:
