@@ -1,7 +1,8 @@
 """Gradient-cached steps in real processes: -np 2 (horovodrun) and -np 3 (torchrun) train what one process does.
 
 The reference is one process with the plain step over the whole global
-batch (trained in the same plain process as its untrained start, trace_runs.py); the chunked runs split the same global batches over 2 and 3 ranks
+batch (trained in the same plain process as its untrained start,
+trace_runs.py); the chunked runs split the same global batches over 2 and 3 ranks
 (G = 6: 3 + 3 and 2 + 2 + 2 classes) and embed 4 images at a time, so the
 chunks are uneven and Horovod's optimizer must count one backward pass per
 chunk while DDP reduces once per step.
