@@ -1,17 +1,21 @@
 """The small config the trainer's launched tests share (tests/distributed/test_trainer.py, test_trainer_errors.py):
-24 synthetic classes, a two-stage net, two short epochs; and the readers of what a run wrote."""
+24 synthetic classes, a two-stage net, two short epochs; the readers of what a run wrote; and several short
+trainings in one launch (:func:`trace_launch`)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 import yaml
-from launch import ROOT
+from launch import ROOT, environment, launch, run_launcher
 
 SCRIPT = ROOT / "train" / "retrieval.py"
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
+TRACE_RUNS = ROOT / "tests" / "distributed" / "trace_runs.py"
 
 TINY = {
     "seed": 3,
@@ -51,3 +55,18 @@ def max_difference(a: dict, b: dict) -> float:
 
 def backend_of(launcher: str) -> str:
     return {"horovodrun": "horovod", "torchrun": "torch"}[launcher]
+
+
+def trace_launch(folder: Path, name: str, runs: dict[str, tuple[Path | None, list[str]]], *, launcher: str | None,
+                 np: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """Train ``runs`` (name: config file or None for the defaults, ``--set`` overrides) one after the other in one
+    launch of tests/distributed/trace_runs.py, each in ``folder / name / <run>``; ``launcher`` None: one plain
+    process. Output merged. A launch costs seconds of start-up per rank: the runs a comparison reads share one."""
+    spec = folder / f"{name}.json"
+    spec.write_text(json.dumps({"root": str(folder / name), "runs": {
+        run: {"config": None if config is None else str(config), "set": list(sets)}
+        for run, (config, sets) in runs.items()}}))
+    if launcher is None:
+        return run_launcher([sys.executable, str(TRACE_RUNS), str(spec)], kind="python", timeout=timeout,
+                            env=environment())
+    return launch(launcher, TRACE_RUNS, str(spec), np=np, timeout=timeout)

@@ -4,20 +4,20 @@ plain and the gradient-cached step alike.
 One unit test pins the order of the calls with a recording backend; one run
 in real processes (horovodrun -np 2, the cached step) trains what one process
 with the plain step and the same clip trains, and a clip that bites changes
-the model.
+the model (the clipped and the unclipped one-process runs share one process).
 """
 
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from launch import ROOT, launch
+from launch import launch
+from trainer_runs import trace_launch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_cached_step import SCRIPT, checkpoint, max_difference, write_config  # noqa: E402
@@ -80,17 +80,14 @@ def test_the_step_clips_after_synchronize_and_steps_without_a_second_one():
 @pytest.mark.horovod
 def test_a_clipped_cached_step_on_two_ranks_trains_what_one_process_does(tmp_path):
     config = write_config(tmp_path)
-    clip = ["--set", "optim.clip_grad_norm=0.05"]
-    one = subprocess.run([sys.executable, str(SCRIPT), "--config", str(config), "--set",
-                          f"workspace={tmp_path / 'one'}", *clip], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
+    clip = "optim.clip_grad_norm=0.05"
+    # the clipped reference and the same run without the clip, one after the other in one plain process
+    one = trace_launch(tmp_path, "one", {"clipped": (config, [clip]), "free": (config, [])}, launcher=None)
+    assert one.returncode == 0, one.stdout[-4000:]
     result = launch("horovodrun", SCRIPT, "--config", str(config), "--set", f"workspace={tmp_path / 'two'}",
-                    "--set", "train.chunk_size=4", *clip, np=2)
+                    "--set", "train.chunk_size=4", "--set", clip, np=2)
     assert result.returncode == 0, result.stdout[-4000:]
-    reference = checkpoint(tmp_path / "one")["model"]
+    reference = checkpoint(tmp_path / "one" / "clipped")["model"]
     difference = max_difference(checkpoint(tmp_path / "two")["model"], reference)
     assert difference < 1e-4, difference
-    free = subprocess.run([sys.executable, str(SCRIPT), "--config", str(config), "--set",
-                           f"workspace={tmp_path / 'free'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert free.returncode == 0, free.stderr[-3000:]
-    assert max_difference(checkpoint(tmp_path / "free")["model"], reference) > 100 * max(difference, 1e-7)
+    assert max_difference(checkpoint(tmp_path / "one" / "free")["model"], reference) > 100 * max(difference, 1e-7)
