@@ -7,17 +7,14 @@ averages it, torchrun's DDP does not see it), so both launchers check its gradie
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
-from launch import ROOT, launch
+from trainer_runs import trace_launch
 
 pytestmark = pytest.mark.horovod
-SCRIPT = ROOT / "train" / "retrieval.py"
 CONFIG = {
     "seed": 3,
     "data": {"name": "synthetic", "args": {"num_classes": 30, "images_per_class": 6, "image_size": 32},
@@ -36,7 +33,6 @@ def losses(workspace: Path) -> np.ndarray:
     return np.array([record["loss"] for record in map(json.loads, lines) if record.get("type") == "step"])
 
 
-RUNNER = ROOT / "tests" / "distributed" / "trace_runs.py"
 #: one process, horovodrun -np 2 and torchrun -np 3; each launch trains both configs (trace_runs.py): three
 #: launches, not six
 WORLDS = {1: None, 2: "horovodrun", 3: "torchrun"}
@@ -46,24 +42,16 @@ WORLDS = {1: None, 2: "horovodrun", 3: "torchrun"}
 def traces(tmp_path_factory) -> dict[int, tuple[Path, str]]:
     """Each world size's workspaces root and output, the run with and the run without the BNNeck in one launch."""
     root = tmp_path_factory.mktemp("head_traces")
+    runs = {}
+    for bnneck in (False, True):
+        config = root / f"bnneck_{bnneck}.yaml"
+        config.write_text(yaml.safe_dump({**CONFIG, "head": {**CONFIG["head"], "bnneck": bnneck}}))
+        runs[f"bnneck_{bnneck}"] = (config, [])
     found = {}
     for world, launcher in WORLDS.items():
-        runs = {}
-        for bnneck in (False, True):
-            config = root / f"bnneck_{bnneck}.yaml"
-            config.write_text(yaml.safe_dump({**CONFIG, "head": {**CONFIG["head"], "bnneck": bnneck}}))
-            runs[f"bnneck_{bnneck}"] = {"config": str(config), "set": []}
-        spec = root / f"runs{world}.json"
-        spec.write_text(json.dumps({"root": str(root / str(world)), "runs": runs}))
-        if launcher is None:
-            result = subprocess.run([sys.executable, str(RUNNER), str(spec)], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=300)
-            output = result.stdout + result.stderr
-        else:
-            result = launch(launcher, RUNNER, str(spec), np=world)
-            output = result.stdout
-        assert result.returncode == 0, output[-4000:]
-        found[world] = (root / str(world), output)
+        result = trace_launch(root, str(world), runs, launcher=launcher, np=world)
+        assert result.returncode == 0, result.stdout[-4000:]
+        found[world] = (root / str(world), result.stdout)
     return found
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import LAUNCHERS, ROOT, environment, launch, run_launcher, shared_run
-from trainer_runs import HOOKED, SCRIPT, TINY, backend_of, checkpoint, max_difference, write_config
+from launch import LAUNCHERS, launch, shared_run
+from trainer_runs import HOOKED, SCRIPT, TINY, backend_of, checkpoint, max_difference, trace_launch, write_config
 
 pytestmark = pytest.mark.horovod
 
@@ -90,7 +90,6 @@ def test_a_checkpoint_resumes_on_another_world_size_without_edits(resumable):
 # multi-similarity ~2e-6, batch-hard ~2e-4 (~1e-5 at lr 0.005).
 EQUIVALENCE = {"optim": {"name": "sgd", "lr": 0.01, "base_batch": 12, "warmup_steps": 3},
                "loss": {"name": "multi_similarity", "args": {}}}
-RUNNER = ROOT / "tests" / "distributed" / "trace_runs.py"
 
 
 def _configs(folder: Path) -> dict[str, Path]:
@@ -119,19 +118,6 @@ def _configs(folder: Path) -> dict[str, Path]:
     return configs
 
 
-def _trace_runs(folder: Path, name: str, runs: dict[str, tuple[Path, list[str]]], *, launcher: str | None,
-                np: int = 2) -> subprocess.CompletedProcess[str]:
-    """Train ``runs`` (name: config, overrides) one after the other in one launch (trace_runs.py), each in
-    ``folder / name / <run>``; ``launcher`` None: one plain process."""
-    spec = folder / f"{name}.json"
-    spec.write_text(json.dumps({"root": str(folder / name), "runs": {
-        run: {"config": str(config), "set": list(sets)} for run, (config, sets) in runs.items()}}))
-    if launcher is None:
-        return run_launcher([sys.executable, str(RUNNER), str(spec)], kind="python", timeout=300,
-                            env=environment())
-    return launch(launcher, RUNNER, str(spec), np=np)
-
-
 @shared_run()
 def trained(folder: Path) -> dict:
     """The short trainings that compare, one launch per world size and launcher (trace_runs.py trains several
@@ -140,15 +126,13 @@ def trained(folder: Path) -> dict:
     one and the 20-step config for no step. Three launches serve the world-size, backend, cross-batch memory,
     triplet and packed-shard comparisons."""
     configs = _configs(folder)
+    every = {run: (config, []) for run, config in configs.items()}
+    one = {"equivalent": (configs["equivalent"], []), "memory": (configs["memory"], []),
+           "start": (configs["equivalent"], ["train.max_steps=0"])}
     return {"folder": folder,
-            "horovodrun": _trace_runs(folder, "horovodrun", {run: (config, []) for run, config in configs.items()},
-                                      launcher="horovodrun"),
-            "torchrun": _trace_runs(folder, "torchrun", {"equivalent": (configs["equivalent"], [])},
-                                    launcher="torchrun"),
-            "one": _trace_runs(folder, "one", {"equivalent": (configs["equivalent"], []),
-                                               "memory": (configs["memory"], []),
-                                               "start": (configs["equivalent"], ["train.max_steps=0"])},
-                               launcher=None)}
+            "horovodrun": trace_launch(folder, "horovodrun", every, launcher="horovodrun"),
+            "torchrun": trace_launch(folder, "torchrun", {"equivalent": every["equivalent"]}, launcher="torchrun"),
+            "one": trace_launch(folder, "one", one, launcher=None)}
 
 
 def _finished(trained: dict, *names: str) -> Path:
