@@ -142,6 +142,19 @@ def _own_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def pytest_configure(config):
+    """``PKSAMPLER_TEST_COST`` must name a file this process can append to: checked once, before any test runs
+    (a usage error in one line, not an internal error that ends the session after its first test)."""
+    target = os.environ.get("PKSAMPLER_TEST_COST")
+    if target:
+        try:
+            with open(target, "a", encoding="utf-8"):
+                pass
+        except OSError as error:
+            raise pytest.UsageError(f"PKSAMPLER_TEST_COST={target}: cannot be appended to ({error.strerror}): "
+                                    "name a file in a writable folder, or unset it") from None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """With ``PKSAMPLER_TEST_COST=file``: append each test's wall time and CPU time (this process's and its

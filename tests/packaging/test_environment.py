@@ -152,6 +152,19 @@ def test_test_sh_byte_compiles_every_folder_of_the_import_namespace():
     assert all((ROOT / folder).is_dir() for folder in named)
 
 
+def test_a_cost_record_that_cannot_be_written_stops_the_session_in_one_line_before_any_test(tmp_path):
+    """``PKSAMPLER_TEST_COST`` in a missing folder: pytest's usage error naming it, no test run; before, the first
+    test ran and the session ended in an INTERNALERROR traceback."""
+    target = tmp_path / "absent" / "cost.jsonl"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", "tests/core/test_hashing.py",
+                             "-k", "splitmix"], cwd=ROOT, env={**os.environ, "PKSAMPLER_TEST_COST": str(target)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip() == (f"ERROR: PKSAMPLER_TEST_COST={target}: cannot be appended to (No such file or "
+                                     "directory): name a file in a writable folder, or unset it")
+    assert "passed" not in result.stdout and not target.parent.exists()
+
+
 @pytest.mark.parametrize("workers", ["junk", "-1", "2x", " "])
 def test_test_sh_refuses_a_worker_count_that_is_not_a_whole_number_in_one_line(workers):
     result = _test_sh("tests/core/test_hashing.py", PKSAMPLER_TEST_WORKERS=workers)
