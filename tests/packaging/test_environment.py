@@ -165,6 +165,30 @@ def test_a_cost_record_that_cannot_be_written_stops_the_session_in_one_line_befo
     assert "passed" not in result.stdout and not target.parent.exists()
 
 
+def test_the_files_run_longest_first_then_launching_then_in_process_each_file_whole_and_in_order():
+    """A file with one launched test among in-process ones (tests/packaging/test_environment.py,
+    test_clip_grad_norm.py, test_block_cache_safety.py, catalogue/test_sources.py) was cut in two, its launched
+    tests run apart from the rest: in one process, a module fixture they share was set up twice."""
+    from file_order import LONGEST_FIRST, in_file_order
+
+    class Item:
+        def __init__(self, nodeid: str, launches: bool) -> None:
+            self.nodeid, self.launches = nodeid, launches
+
+        def get_closest_marker(self, name: str) -> object:
+            return name == "launcher" and self.launches or None
+
+    collected = [Item("tests/a/test_mixed.py::in_process_1", False), Item("tests/a/test_mixed.py::launched", True),
+                 Item("tests/a/test_mixed.py::in_process_2", False), Item("tests/b/test_plain.py::one", False),
+                 Item(f"tests/{LONGEST_FIRST[1]}::x", True), Item("tests/c/test_launched.py::y", True),
+                 Item(f"tests/{LONGEST_FIRST[0]}::z", True)]
+    assert [item.nodeid.rsplit("/", 1)[1] for item in in_file_order(collected)] == [
+        f"{LONGEST_FIRST[0].rsplit('/', 1)[1]}::z", f"{LONGEST_FIRST[1].rsplit('/', 1)[1]}::x",
+        "test_mixed.py::in_process_1", "test_mixed.py::launched", "test_mixed.py::in_process_2",
+        "test_launched.py::y", "test_plain.py::one"]
+    assert all((ROOT / "tests" / path).is_file() for path in LONGEST_FIRST)  # a renamed file would drop out
+
+
 @pytest.mark.parametrize("workers", ["junk", "-1", "2x", " "])
 def test_test_sh_refuses_a_worker_count_that_is_not_a_whole_number_in_one_line(workers):
     result = _test_sh("tests/core/test_hashing.py", PKSAMPLER_TEST_WORKERS=workers)
