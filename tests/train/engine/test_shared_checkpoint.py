@@ -198,3 +198,26 @@ def test_a_table_of_fewer_rows_than_ranks_saved_at_three_resumes_at_two_and_five
 
         rows = torch.cat(run_each(world, load))
         assert torch.equal(rows, torch.tensor([[100.0, 0.0], [101.0, 1.0]], dtype=torch.float64)), (world, rows)
+
+
+def test_a_range_file_lost_before_a_resumed_horovod_elastic_job_fails_every_rank_in_one_line(tmp_path):
+    """Rank 0 hands out the files' names; rows-19-37.pt is gone, which ranks 1 and 2 of 3 read: every rank raises
+    the same line naming it (before, rank 0 went on alone into the job's next collective)."""
+    checkpoint, state = _saved(tmp_path)
+    (checkpoint.with_suffix(".shared") / "KeepTable" / f"step-{STEP}" / "rows-19-37.pt").unlink()
+    saved = located(state, checkpoint)
+
+    def resumed(group):
+        trainer = make_trainer([], backend=FakeBackend(rank=group.rank, size=3))
+        if group.rank == 0:
+            trainer.load_state_dict(saved)
+        trainer.register([KeepTable()])
+        (key, part), = trainer.shared_parts()
+        ShardHandler(Shared(part, key), collectives=group, host=lambda: group.rank,
+                     resumed=trainer.resumed_share(key)).sync()
+
+    errors = run_each(3, resumed)
+    assert all(isinstance(error, RangeFileError) for error in errors), errors
+    assert {str(error) for error in errors} == {
+        f"checkpoint rows file {checkpoint.with_suffix('.shared')}/KeepTable/step-{STEP}/rows-19-37.pt is missing "
+        "(its manifest lists rows 19-37)"}
