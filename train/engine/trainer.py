@@ -380,10 +380,15 @@ class Trainer:
         }
 
     def _loss_state(self, write_rows: RowWriter | None) -> dict[str, Any]:
-        """The loss's checkpoint state: whole, or (``write_rows``, a shared part) dense with its ranges apart."""
+        """The loss's checkpoint state: whole, or (``write_rows``, a shared part) dense with its ranges apart. A
+        shared loss without ``write_rows`` gives its ``whole_state()`` (a collective; the sharded head whole, any
+        world size loads it): its ``state_dict()`` is nn.Module's, this rank's range alone."""
         loss = self.parts.loss_fn
-        if write_rows is None or not any(part is loss for part in self.parts.shared):
+        if not any(part is loss for part in self.parts.shared):
             return loss.state_dict()
+        if write_rows is None:
+            whole = getattr(loss, "whole_state", None)
+            return whole() if whole is not None else loss.state_dict()
         return _saved_share("loss", loss, write_rows)
 
     def _shares_state(self, write_rows: RowWriter | None) -> dict[str, Any]:

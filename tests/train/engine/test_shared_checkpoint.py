@@ -221,3 +221,37 @@ def test_a_range_file_lost_before_a_resumed_horovod_elastic_job_fails_every_rank
     assert {str(error) for error in errors} == {
         f"checkpoint rows file {checkpoint.with_suffix('.shared')}/KeepTable/step-{STEP}/rows-19-37.pt is missing "
         "(its manifest lists rows 19-37)"}
+
+
+def _headed_trainer(group, world: int):
+    """A trainer whose loss is a sharded head's (shared, as the application shares it) at ``world`` ranks."""
+    from test_sharded_head import C, D, _CentreDistance
+
+    from pksampler.train.losses.headed import HeadedLoss
+    from pksampler.train.modeling.sharded_head import ShardedMarginHead
+
+    trainer = make_trainer([], backend=FakeBackend(rank=group.rank, size=world))
+    loss = HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group, seed=1))
+    trainer.parts.loss_fn, trainer.parts.shared = loss, (loss,)
+    return trainer, loss
+
+
+def test_a_checkpoint_written_without_range_files_holds_the_whole_head_and_loads_at_another_world_size():
+    """``CheckpointHook(folder=None)``: no range files, so the head goes inside the checkpoint whole, as its
+    docstring says; it held nn.Module's state of rank 0's range alone (the other ranks' rows lost, and no other
+    world size could load it)."""
+    def save(group):
+        trainer, loss = _headed_trainer(group, 2)
+        with torch.no_grad():
+            loss.head.rows.add_(float(group.rank + 1))
+        return trainer.state_dict(), loss.whole_state(everywhere=True)["head"]["rows"]
+
+    (state, rows), _ = run_each(2, save)
+    assert torch.equal(state["loss"]["head"]["rows"], rows)
+
+    def load(group):
+        trainer, loss = _headed_trainer(group, 3)
+        trainer.load_state_dict(state)
+        return loss.head.rows
+
+    assert torch.equal(torch.cat(run_each(3, load)), rows)
