@@ -21,6 +21,8 @@ for _keys in LAUNCHER_ENVIRONMENT:
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+from file_order import in_file_order  # noqa: E402
+
 settings.register_profile("ci", max_examples=60, deadline=None, derandomize=True)
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
@@ -35,26 +37,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("horovod") or "seaweed" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.launcher)
-    # Then order the files (_file_order; stable, so a file's tests stay together and in order). scripts/test.sh
-    # keeps this order in the xdist workers (--no-loadscope-reorder).
-    items.sort(key=_file_order)
-
-
-#: the files that take longest (wall time, measured with PKSAMPLER_TEST_COST), run first, longest first: the two
-#: xdist workers then end on short files, not one worker on a long launch while the other waits (pytest-xdist's
-#: default order, most tests first, started the 16-rank command last)
-LONGEST_FIRST = ("distributed/test_default_command.py", "distributed/test_elastic.py", "distributed/test_trainer.py",
-                 "distributed/test_global_neck.py", "distributed/test_nodes.py", "test_catalogue_walkthrough.py",
-                 "test_catalogue_growth_walkthrough.py", "distributed/test_trainer_errors.py",
-                 "distributed/test_platform.py", "distributed/test_torchrun_faults.py")
-
-
-def _file_order(item) -> tuple[int, int]:
-    """LONGEST_FIRST, then the other files that launch, then the in-process ones (short, they fill the end)."""
-    path = item.nodeid.split("::")[0].removeprefix("tests/")
-    if path in LONGEST_FIRST:
-        return (0, LONGEST_FIRST.index(path))
-    return (1, 0) if item.get_closest_marker("launcher") else (2, 0)
+    # Then order the files (tests/file_order.py): scripts/test.sh keeps this order in the xdist workers
+    # (--no-loadscope-reorder).
+    items[:] = in_file_order(items)
 
 
 @pytest.fixture(autouse=True)
@@ -140,6 +125,19 @@ def _own_cpu() -> float:
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def pytest_configure(config):
+    """``PKSAMPLER_TEST_COST`` must name a file this process can append to: checked once, before any test runs
+    (a usage error in one line, not an internal error that ends the session after its first test)."""
+    target = os.environ.get("PKSAMPLER_TEST_COST")
+    if target:
+        try:
+            with open(target, "a", encoding="utf-8"):
+                pass
+        except OSError as error:
+            raise pytest.UsageError(f"PKSAMPLER_TEST_COST={target}: cannot be appended to ({error.strerror}): "
+                                    "name a file in a writable folder, or unset it") from None
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -140,6 +140,55 @@ def _test_sh(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
                           timeout=300)
 
 
+def test_test_sh_byte_compiles_every_folder_of_the_import_namespace():
+    """Every folder pyproject.toml maps into ``pksampler`` is byte-compiled before the suite, so no launched rank
+    compiles it from source; samplers/ and datasets/ (29 of the ~125 modules) were left out."""
+    import tomllib
+
+    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values())
+    line, = [line for line in TEST_SH.read_text().splitlines() if " -m compileall " in line]
+    named = set(line.split(" -m compileall ")[1].split(">")[0].split()) - {"-q"}
+    assert folders <= named, f"not byte-compiled: {sorted(folders - named)}"
+    assert all((ROOT / folder).is_dir() for folder in named)
+
+
+def test_a_cost_record_that_cannot_be_written_stops_the_session_in_one_line_before_any_test(tmp_path):
+    """``PKSAMPLER_TEST_COST`` in a missing folder: pytest's usage error naming it, no test run; before, the first
+    test ran and the session ended in an INTERNALERROR traceback."""
+    target = tmp_path / "absent" / "cost.jsonl"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", "tests/core/test_hashing.py",
+                             "-k", "splitmix"], cwd=ROOT, env={**os.environ, "PKSAMPLER_TEST_COST": str(target)},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stderr.strip() == (f"ERROR: PKSAMPLER_TEST_COST={target}: cannot be appended to (No such file or "
+                                     "directory): name a file in a writable folder, or unset it")
+    assert "passed" not in result.stdout and not target.parent.exists()
+
+
+def test_the_files_run_longest_first_then_launching_then_in_process_each_file_whole_and_in_order():
+    """A file with one launched test among in-process ones (tests/packaging/test_environment.py,
+    test_clip_grad_norm.py, test_block_cache_safety.py, catalogue/test_sources.py) was cut in two, its launched
+    tests run apart from the rest: in one process, a module fixture they share was set up twice."""
+    from file_order import LONGEST_FIRST, in_file_order
+
+    class Item:
+        def __init__(self, nodeid: str, launches: bool) -> None:
+            self.nodeid, self.launches = nodeid, launches
+
+        def get_closest_marker(self, name: str) -> object:
+            return name == "launcher" and self.launches or None
+
+    collected = [Item("tests/a/test_mixed.py::in_process_1", False), Item("tests/a/test_mixed.py::launched", True),
+                 Item("tests/a/test_mixed.py::in_process_2", False), Item("tests/b/test_plain.py::one", False),
+                 Item(f"tests/{LONGEST_FIRST[1]}::x", True), Item("tests/c/test_launched.py::y", True),
+                 Item(f"tests/{LONGEST_FIRST[0]}::z", True)]
+    assert [item.nodeid.rsplit("/", 1)[1] for item in in_file_order(collected)] == [
+        f"{LONGEST_FIRST[0].rsplit('/', 1)[1]}::z", f"{LONGEST_FIRST[1].rsplit('/', 1)[1]}::x",
+        "test_mixed.py::in_process_1", "test_mixed.py::launched", "test_mixed.py::in_process_2",
+        "test_launched.py::y", "test_plain.py::one"]
+    assert all((ROOT / "tests" / path).is_file() for path in LONGEST_FIRST)  # a renamed file would drop out
+
+
 @pytest.mark.parametrize("workers", ["junk", "-1", "2x", " "])
 def test_test_sh_refuses_a_worker_count_that_is_not_a_whole_number_in_one_line(workers):
     result = _test_sh("tests/core/test_hashing.py", PKSAMPLER_TEST_WORKERS=workers)

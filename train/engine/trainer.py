@@ -380,10 +380,15 @@ class Trainer:
         }
 
     def _loss_state(self, write_rows: RowWriter | None) -> dict[str, Any]:
-        """The loss's checkpoint state: whole, or (``write_rows``, a shared part) dense with its ranges apart."""
+        """The loss's checkpoint state: whole, or (``write_rows``, a shared part) dense with its ranges apart. A
+        shared loss without ``write_rows`` gives its ``whole_state()`` (a collective; the sharded head whole, any
+        world size loads it): its ``state_dict()`` is nn.Module's, this rank's range alone."""
         loss = self.parts.loss_fn
-        if write_rows is None or not any(part is loss for part in self.parts.shared):
+        if not any(part is loss for part in self.parts.shared):
             return loss.state_dict()
+        if write_rows is None:
+            whole = getattr(loss, "whole_state", None)
+            return whole() if whole is not None else loss.state_dict()
         return _saved_share("loss", loss, write_rows)
 
     def _shares_state(self, write_rows: RowWriter | None) -> dict[str, Any]:
@@ -408,18 +413,25 @@ class Trainer:
         self._saved_shares = dict(saved.get("shared") or {})
         loss_shared = any(part is parts.loss_fn for part in parts.shared)
         self._resumed_shares = {**({"loss": saved["loss"]} if loss_shared else {}), **self._saved_shares}
-        self.load_saved_shares()
+        self.load_saved_shares(registered=False)
 
-    def load_saved_shares(self) -> None:
+    def load_saved_shares(self, *, registered: bool = True) -> None:
         """Each shared part of the loaded checkpoint (its ``shared`` section) that is shared now and not loaded
         yet: its state, this rank's range read from the range files that overlap it
-        (:func:`~pksampler.train.modeling.range_checkpoint.load_part`). :meth:`load_state_dict` calls it, and
-        the application again once the hooks that share parts are registered (they come after the resume)."""
+        (:func:`~pksampler.train.modeling.range_checkpoint.load_part`). :meth:`load_state_dict` calls it
+        (``registered=False``: hooks may follow), and the application again once every hook that shares parts is
+        registered (they come after the resume): a saved part that no hook claims then is refused in one line,
+        since its table would be lost without a word (a hook renamed or removed since: its key changed)."""
         backend = self.parts.backend
         for key, part in self.shared_parts():
             saved = self._saved_shares.pop(key, None)
             if saved is not None:
                 load_part(part, saved, *shard_range(part.num_rows, backend.size, backend.rank), key=key)
+        if registered and self._saved_shares:
+            now = [key for key, _ in self.shared_parts()]
+            raise ValueError(f"the checkpoint holds the table of shared part(s) {sorted(self._saved_shares)}, which "
+                             f"no hook of this run shares (this run's shared parts: {now}): a hook renamed or "
+                             "removed since would lose it (a part's key is its hook's class name)")
 
     def resumed_share(self, key: str) -> Any:
         """What shared part ``key`` resumes from, for Horovod elastic's handler on the rank that loaded the

@@ -321,7 +321,11 @@ class ShardedMarginHead(torch.nn.Module):
         """Refuse, in one line naming the field, a :meth:`whole_state` (a checkpoint's, maybe edited by hand) that
         this head cannot take whole: rows and momentum of shape (C, k, D) (a smaller momentum would broadcast over
         every class), a 1-D decay log."""
-        shape = (self.num_classes, self.subcentres, self.dim)
+        self._check_tensors(saved, self.num_classes)
+
+    def _check_tensors(self, saved: dict[str, Any], rows: int) -> None:
+        """Refuse saved ``rows`` and ``momentum`` not of shape (``rows``, k, D), or a decay log not 1-D."""
+        shape = (rows, self.subcentres, self.dim)
         for field in ("rows", "momentum"):
             if tuple(saved[field].shape) != shape:
                 raise ValueError(f"the checkpoint's head has {field} of shape {tuple(saved[field].shape)}, this "
@@ -377,12 +381,14 @@ class ShardedMarginHead(torch.nn.Module):
         return {**meta, "start": own.lo, "stop": own.hi, "rows": rows, "momentum": momentum}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
-        """:meth:`get_extra_state`'s range, into a head that owns the same range (refused in one line otherwise)."""
+        """:meth:`get_extra_state`'s range, into a head that owns the same range (refused in one line otherwise,
+        as are rows, momentum or a decay log of another shape, before anything is written)."""
         self.check_saved(state)
         if (int(state["start"]), int(state["stop"])) != (self.lo, self.hi):
             raise ValueError(f"the saved head holds rows {state['start']}-{state['stop']}, this rank owns "
                              f"{self.lo}-{self.hi}: a module state loads at its own world size and rank (any W "
                              "loads whole_state() or a checkpoint's range files)")
+        self._check_tensors(state, self.hi - self.lo)
         self.load_range(state, lambda rows, momentum: (rows.copy_(state["rows"]), momentum.copy_(state["momentum"])))
 
     def set_rows(self, local: torch.Tensor, values: torch.Tensor) -> None:

@@ -576,17 +576,22 @@ def test_the_margin_free_loss_holds_when_the_margin_raises_a_far_target_above_ev
         assert value == pytest.approx(plain, rel=1e-6)
 
 
-@pytest.mark.parametrize("edit", ["momentum_broadcasts", "momentum_short", "log_decay_2d"])
+#: hand edits of a saved head: one momentum row that would broadcast over every row, too few rows, a 2-D decay log
+EDITS = {"momentum_broadcasts": lambda rows: {"momentum": torch.ones(1, 1, D)},
+         "momentum_short": lambda rows: {"momentum": torch.ones(rows - 1, 1, D)},
+         "rows_broadcast": lambda rows: {"rows": torch.ones(1, 1, D)},
+         "log_decay_2d": lambda rows: {"log_decay": torch.zeros(1, 1, dtype=torch.float64)}}
+
+
+@pytest.mark.parametrize("edit", EDITS)
 def test_a_hand_edited_checkpoints_head_is_refused_in_one_line_by_both_loaders(edit):
-    """A head state whose momentum has not the rows' shape (one row that would broadcast over every class, or too
-    few rows) or whose decay log is not a 1-D series is refused naming the field, by the checkpoint's loader and by
-    the copy a resumed elastic job hands out (:meth:`HeadedLoss.saved_copy`), before any row is written."""
+    """A head state whose rows or momentum have not the head's shape (one row that would broadcast over every
+    class, or too few rows) or whose decay log is not a 1-D series is refused naming the field, by the checkpoint's
+    loader and by the copy a resumed elastic job hands out (:meth:`HeadedLoss.saved_copy`), before any row is
+    written."""
     saved, = run_ranks(1, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group)).whole_state())
-    edited = {**saved, "head": dict(saved["head"])}
-    edited["head"].update({"momentum_broadcasts": {"momentum": torch.ones(1, 1, D)},
-                           "momentum_short": {"momentum": torch.ones(C - 1, 1, D)},
-                           "log_decay_2d": {"log_decay": torch.zeros(1, 1, dtype=torch.float64)}}[edit])
-    field = "log_decay" if edit == "log_decay_2d" else "momentum"
+    edited = {**saved, "head": {**saved["head"], **EDITS[edit](C)}}
+    field = edit.split("_")[0] if edit != "log_decay_2d" else "log_decay"
 
     def load(group):
         loss = HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group))
@@ -599,6 +604,28 @@ def test_a_hand_edited_checkpoints_head_is_refused_in_one_line_by_both_loaders(e
 
     message, untouched = run_ranks(1, load)[0]
     assert "\n" not in message and untouched
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_a_hand_edited_module_state_of_the_head_is_refused_in_one_line(edit):
+    """nn.Module's layout (``head._extra_state``, this rank's range) edited the same way, at W = 2: refused naming
+    the field before any row is written; before, one saved row was broadcast over the whole range without a word
+    and a 2-D decay log failed in a shape error after the rows were written."""
+    states = run_ranks(2, lambda group: HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group)).state_dict())
+    field = edit.split("_")[0] if edit != "log_decay_2d" else "log_decay"
+
+    def load(group):
+        state = states[group.rank]
+        extra = state["head._extra_state"]
+        edited = {**state, "head._extra_state": {**extra, **EDITS[edit](extra["stop"] - extra["start"])}}
+        loss = HeadedLoss(_CentreDistance(), ShardedMarginHead(C, D, group))
+        loss.head.rows.add_(1.0)
+        before = loss.head.rows.clone()
+        with pytest.raises(ValueError, match=f"^the checkpoint's head has (a )?{field} of shape") as refused:
+            loss.load_state_dict(edited)
+        return "\n" not in str(refused.value) and torch.equal(loss.head.rows, before)
+
+    assert run_ranks(2, load) == [True, True]
 
 
 @pytest.mark.parametrize("weight_decay", [10.0, 20.0, -0.1, float("nan"), float("inf"), True])

@@ -253,7 +253,6 @@ class ShardHandler:
         every rank. No copy anywhere: no step was committed, the initial rows.
         """
         from pksampler.train.modeling import head_replicas
-        from pksampler.train.modeling.range_checkpoint import load_part
         from pksampler.train.modeling.sharded_head import shard_range
 
         part, collectives = self.value.part, self.collectives
@@ -268,13 +267,26 @@ class ShardHandler:
                                                  name=self.name)
             ranges = [shard_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
             if table[root, 1] == 0:  # a checkpoint's rows: each rank reads its range's files, and keeps the names
-                load_part(part, dense, *ranges[collectives.rank], key=self.value.key)
-                self._on_disk(dense)
+                self._from_disk(dense, *ranges[collectives.rank])
             else:
                 part.load_range(dense, functools.partial(head_replicas.assemble, self._copies, segments, ranges,
                                                          collectives=collectives))
                 self._step = step
         self.current = True
+
+    def _from_disk(self, saved: dict[str, Any], lo: int, hi: int) -> None:
+        """Rows ``[lo, hi)`` from a checkpoint's range files (``saved``: its state with ``ranges``); a rank that
+        cannot read its files fails every rank with its one line (a collective), so none goes on to wait for it."""
+        from pksampler.agree import raise_together
+        from pksampler.train.modeling.range_checkpoint import RangeFileError, load_part
+
+        error = None
+        try:
+            load_part(self.value.part, saved, lo, hi, key=self.value.key)
+        except RangeFileError as caught:
+            error = caught
+        raise_together(self.collectives, error, kind=RangeFileError)
+        self._on_disk(saved)
 
     def set_value(self, value: Any) -> None:
         self.value = value
