@@ -9,7 +9,7 @@ step, then commits three times as the trainer's elastic state does:
 
 * ``whole``: the commit before: ``copy.deepcopy(loss.whole_state(everywhere=True))``,
   the whole head's rows and momentum on every rank;
-* ``replica``: :class:`~pksampler.train.engine.elastic.ShardHandler`'s ``save``:
+* ``replica``: :class:`~pksampler.train.engine.elastic.SharedPartHandler`'s ``save``:
   this rank's range and the range of rank (r − 2) mod 4 (the other host),
   moved by all-to-all in blocks of 64 MiB.
 
@@ -37,10 +37,10 @@ from _measure import rss_bytes as _rss, stepped_head  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
-    from pksampler.train.engine.elastic import ShardHandler, Shared
+    from pksampler.train.engine.elastic import SharedPartHandler, Shared
 
     backend, loss_fn = stepped_head(args.classes)
-    handler = ShardHandler(Shared(loss_fn), collectives=backend)
+    handler = SharedPartHandler(Shared(loss_fn), collectives=backend)
     held: object = None
     before, seconds = _rss(), []
     for _ in range(3):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pksampler.train.modeling.head_replicas import RangeCopy
-from pksampler.train.modeling.sharded_head import shard_range
+from pksampler.train.modeling.sharded_head import row_range
 
 
 class ToyTable:
@@ -30,7 +30,7 @@ class ToyTable:
         return self.ROWS
 
     def set_world(self, world) -> None:
-        self.lo, self.hi = shard_range(self.ROWS, world.size, world.rank)
+        self.lo, self.hi = row_range(self.ROWS, world.size, world.rank)
         self.rows = torch.zeros(self.hi - self.lo, 2, dtype=torch.float64)  # (value, class id)
 
     def load_initial(self) -> None:

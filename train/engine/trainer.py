@@ -29,7 +29,7 @@ from pksampler.world import World
 from pksampler.train.engine.checkpoint import to_numpy
 from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.modeling.range_checkpoint import load_part
-from pksampler.train.modeling.sharded_head import shard_range
+from pksampler.train.modeling.sharded_head import row_range
 from pksampler.train.runtime.device import loader_generator
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.engine.events import EventStorage
@@ -426,7 +426,7 @@ class Trainer:
         for key, part in self.shared_parts():
             saved = self._saved_shares.pop(key, None)
             if saved is not None:
-                load_part(part, saved, *shard_range(part.num_rows, backend.size, backend.rank), key=key)
+                load_part(part, saved, *row_range(part.num_rows, backend.size, backend.rank), key=key)
         if registered and self._saved_shares:
             now = [key for key, _ in self.shared_parts()]
             raise ValueError(f"the checkpoint holds the table of shared part(s) {sorted(self._saved_shares)}, which "

@@ -1,7 +1,7 @@
 """A classification head over 10⁶–10⁷ classes, its rows sharded over the ranks (Partial FC style).
 
 Rank r of W holds a contiguous range of the global class ids (⌈C/W⌉ rows for
-the first C mod W ranks, ⌊C/W⌋ after: :func:`shard_range`), each row a
+the first C mod W ranks, ⌊C/W⌋ after: :func:`row_range`), each row a
 class centre (or ``subcentres`` of them, sub-centre ArcFace), small at the
 start (:data:`INIT_STD`) and normalised only in the forward pass. A
 step's loss is a margin softmax over a sampled set of classes:
@@ -48,7 +48,7 @@ from pksampler.train.modeling.head_memory import GATHER_BLOCK_BYTES
 from pksampler.train.modeling.head_replicas import RangeCopy
 from pksampler.train.modeling.lazy_decay import LazyDecay
 
-__all__ = ["HEADS", "INIT_STD", "ShardedMarginHead", "derived_scale", "sampled", "shard_range"]
+__all__ = ["HEADS", "INIT_STD", "ShardedMarginHead", "derived_scale", "sampled", "row_range"]
 
 #: ``head.name`` choices
 HEADS = ("arcface", "cosface", "softmax")
@@ -82,7 +82,7 @@ def check_scale(scale: float) -> None:
                          "offsets logits by the scale in fp64; beyond the bound a row underflows to log(0))")
 
 
-def shard_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
+def row_range(num_classes: int, world: int, rank: int) -> tuple[int, int]:
     """Rank ``rank``'s rows ``[lo, hi)``: ⌈C/W⌉ for the first C mod W ranks, ⌊C/W⌋ after (the samplers' split,
     :func:`pksampler.samplers.rank_share`, as a range)."""
     lo, count = rank_share(num_classes, world, rank)
@@ -144,7 +144,7 @@ class ShardedMarginHead(torch.nn.Module):
         self.num_classes, self.dim, self.collectives, self.seed = num_classes, dim, collectives, seed
         self.loss_weight = loss_weight
         world = world if world is not None else World.of(collectives)
-        self.lo, self.hi = shard_range(num_classes, world.size, world.rank)
+        self.lo, self.hi = row_range(num_classes, world.size, world.rank)
         self.gradient_scale = world.loss_scale  # the factor the trainer's loss carries into backward (Horovod: W)
         self.register_buffer("rows", self.initial_rows(), persistent=False)
         self.register_buffer("momentum", torch.zeros_like(self.rows), persistent=False)
@@ -253,7 +253,7 @@ class ShardedMarginHead(torch.nn.Module):
         if everywhere:
             return self.collectives.allgather(local.contiguous()).cpu()
         world, rank = self.collectives.size, self.collectives.rank
-        ranges = [shard_range(self.num_classes, world, r) for r in range(world)]
+        ranges = [row_range(self.num_classes, world, r) for r in range(world)]
         row_bytes = max(1, local[:1].numel() * local.element_size())
         block = max(1, GATHER_BLOCK_BYTES // (world * row_bytes))
         longest = max(hi - lo for lo, hi in ranges)
@@ -409,7 +409,7 @@ class ShardedMarginHead(torch.nn.Module):
         Rows and momentum are zero until a whole head is loaded (:meth:`load_whole`), a range assembled
         (:meth:`load_range`) or the initial rows taken (:meth:`load_initial`).
         """
-        self.lo, self.hi = shard_range(self.num_classes, world.size, world.rank)
+        self.lo, self.hi = row_range(self.num_classes, world.size, world.rank)
         self.gradient_scale = world.loss_scale
         self.rows = torch.zeros(self.hi - self.lo, self.subcentres, self.dim, device=self.rows.device)
         self.momentum = torch.zeros_like(self.rows)

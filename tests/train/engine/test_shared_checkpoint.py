@@ -19,7 +19,7 @@ from test_head_replicas import run_each  # noqa: E402
 from test_hooks import FakeBackend, make_trainer  # noqa: E402
 from toy_table import ToyTable  # noqa: E402
 
-from pksampler.train.engine.elastic import ShardHandler, Shared  # noqa: E402
+from pksampler.train.engine.elastic import SharedPartHandler, Shared  # noqa: E402
 from pksampler.train.engine.trainer import HookBase  # noqa: E402
 from pksampler.train.modeling import range_checkpoint  # noqa: E402
 from pksampler.train.modeling.range_checkpoint import RangeFileError, located, write_ranges  # noqa: E402
@@ -131,7 +131,7 @@ def test_a_resumed_horovod_elastic_rank_0_hands_out_the_files_names_and_each_ran
         trainer.register([hook])
         (key, part), = trainer.shared_parts()
         handed = trainer.resumed_share(key)
-        handler = ShardHandler(Shared(part, key), collectives=group, host=lambda: group.rank, resumed=handed)
+        handler = SharedPartHandler(Shared(part, key), collectives=group, host=lambda: group.rank, resumed=handed)
         handler.sync()
         return key, handed, hook.table
 
@@ -213,7 +213,7 @@ def test_a_range_file_lost_before_a_resumed_horovod_elastic_job_fails_every_rank
             trainer.load_state_dict(saved)
         trainer.register([KeepTable()])
         (key, part), = trainer.shared_parts()
-        ShardHandler(Shared(part, key), collectives=group, host=lambda: group.rank,
+        SharedPartHandler(Shared(part, key), collectives=group, host=lambda: group.rank,
                      resumed=trainer.resumed_share(key)).sync()
 
     errors = run_each(3, resumed)

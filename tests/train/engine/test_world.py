@@ -20,7 +20,7 @@ from pksampler.train.engine.mode import RunMode
 from pksampler.train.engine.trainer import HookBase, StepParts, Trainer
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
-from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, row_range
 from pksampler.train.runtime.distributed import Backend
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.modeling.bnneck import BNNeck
@@ -150,7 +150,7 @@ def test_the_heads_loss_takes_its_range_in_a_new_world_and_its_initial_rows_befo
     loss = HeadedLoss(torch.nn.Identity(), head, neck=BNNeck(dim, grad_divisor=3.0))
     assert head.gradient_scale == 1.0
     loss.set_world(World(rank=1, size=2, loss_scale=2.0))  # the backend's world carries its loss scale
-    assert (head.lo, head.hi) == shard_range(classes, 2, 1) and not head.rows.any()
+    assert (head.lo, head.hi) == row_range(classes, 2, 1) and not head.rows.any()
     assert head.momentum.shape == head.rows.shape and head.decay.moved_at.shape == (head.hi - head.lo,)
     assert head.gradient_scale == 2.0 and loss.neck.grad_divisor == 2.0  # each part takes it from the world
     loss.load_initial()
@@ -216,6 +216,6 @@ def test_a_head_built_without_a_world_takes_the_one_its_backend_carries_with_the
     head = ShardedMarginHead(20, 4, backend)
     assert backend.world.loss_scale == 3.0
     assert head.gradient_scale == loss.head.gradient_scale == loss.neck.grad_divisor == 3.0
-    assert (head.lo, head.hi) == shard_range(20, 3, 1)
+    assert (head.lo, head.hi) == row_range(20, 3, 1)
     plain = ShardedMarginHead(20, 4, SimpleNamespace(rank=1, size=3))  # no world carried: its rank and size
     assert plain.gradient_scale == 1.0 and (plain.lo, plain.hi) == (head.lo, head.hi)

@@ -17,12 +17,12 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from test_sharded_head import C, D, TRACE_SPEC, Member, ThreadGroup, head_steps  # noqa: E402
 
-from pksampler.train.engine.elastic import ShardHandler, Shared  # noqa: E402
+from pksampler.train.engine.elastic import SharedPartHandler, Shared  # noqa: E402
 from pksampler.train.modeling import head_replicas  # noqa: E402
 from pksampler.train.modeling import range_checkpoint  # noqa: E402
 from pksampler.train.modeling.head_replicas import HeadRowsLost, replica_shift  # noqa: E402
 from pksampler.train.modeling.range_checkpoint import located, write_ranges  # noqa: E402
-from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, row_range  # noqa: E402
 from pksampler.train.losses.headed import HeadedLoss  # noqa: E402
 from pksampler.train.solver.sparse_rows import SparseRowSGD  # noqa: E402
 from pksampler.world import World  # noqa: E402
@@ -74,7 +74,7 @@ def _member(group: Rank, hosts: list[int]):
     head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
     loss = HeadedLoss(torch.nn.Identity(), head)
-    return head, rows, ShardHandler(Shared(loss), collectives=group, host=lambda: hosts[head.collectives.rank])
+    return head, rows, SharedPartHandler(Shared(loss), collectives=group, host=lambda: hosts[head.collectives.rank])
 
 
 def test_the_replica_goes_to_another_host():
@@ -106,8 +106,8 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
     ranks = run_each(4, first)
     for rank, (_, _, _, handler) in enumerate(ranks):
         own, replica = handler.copies
-        assert (own.lo, own.hi) == shard_range(C, 4, rank)
-        assert (replica.lo, replica.hi) == shard_range(C, 4, (rank - 2) % 4)  # rank r's replica: the other host
+        assert (own.lo, own.hi) == row_range(C, 4, rank)
+        assert (replica.lo, replica.hi) == row_range(C, 4, (rank - 2) % 4)  # rank r's replica: the other host
         assert own.tensors[0].shape == own.tensors[1].shape == (own.hi - own.lo, 1, D)  # rows, momentum
         assert replica.tensors[0].shape[0] + own.tensors[0].shape[0] <= 2 * -(-C // 4) < C
     survivors = ranks[:2]  # host 1 left
@@ -118,7 +118,7 @@ def test_a_commit_holds_own_range_and_one_replica_and_resets_train_on_as_one_pro
         handler.value.part.set_world(World(rank=group.rank, size=group.size))  # the trainer's set_world at a reset
         handler.on_reset()  # the reset callback; the body assembles (no sync: hosts only left)
         handler.ensure_current()
-        assert (head.lo, head.hi) == shard_range(C, 2, group.rank)
+        assert (head.lo, head.hi) == row_range(C, 2, group.rank)
         losses = head_steps(head, rows, range(3, 5))
         handler.save()
         return losses, head, rows, handler
@@ -167,7 +167,7 @@ def test_a_range_held_by_no_rank_raises_on_every_rank():
         handler.ensure_current()
 
     errors = run_each(2, second)
-    lo, hi = shard_range(C, 4, 1)
+    lo, hi = row_range(C, 4, 1)
     assert all(isinstance(e, HeadRowsLost) for e in errors), errors
     assert all(f"class ids [{lo}, {hi})" in str(e) and "last.pt" in str(e) for e in errors)
     assert len({str(e) for e in errors}) == 1
@@ -178,7 +178,7 @@ def _resumed_steps(group, resumed) -> list[float]:
     head = ShardedMarginHead(C, D, group, **TRACE_SPEC, seed=1)
     rows = SparseRowSGD(head, momentum=0.9, weight_decay=0.01)
     loss = HeadedLoss(torch.nn.Identity(), head)
-    handler = ShardHandler(Shared(loss, "loss"), collectives=group, host=lambda: group.rank,
+    handler = SharedPartHandler(Shared(loss, "loss"), collectives=group, host=lambda: group.rank,
                            resumed=resumed(loss) if group.rank == 0 else None)
     handler.sync()
     return head_steps(head, rows, range(2, 4))

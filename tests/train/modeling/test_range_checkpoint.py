@@ -18,7 +18,7 @@ from pksampler.train.losses.headed import HeadedLoss, saved_rows, whole_loss_sta
 from pksampler.train.modeling import range_checkpoint  # noqa: E402
 from pksampler.train.modeling.head_replicas import RangeCopy  # noqa: E402
 from pksampler.train.modeling.range_checkpoint import RangeFileError, located, write_ranges  # noqa: E402
-from pksampler.train.modeling.sharded_head import ShardedMarginHead, shard_range  # noqa: E402
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, row_range  # noqa: E402
 from pksampler.train.solver.sparse_rows import SparseRowSGD  # noqa: E402
 
 STEP = 4
@@ -64,7 +64,7 @@ def test_ranges_written_at_two_ranks_load_at_one_and_three_reading_only_their_fi
 
         read.clear()
         for rank, head in enumerate(run_ranks(world, load)):
-            lo, hi = shard_range(C, world, rank)
+            lo, hi = row_range(C, world, rank)
             assert torch.equal(head.rows, whole["rows"][lo:hi]) and torch.equal(head.momentum, whole["momentum"][lo:hi])
             assert head.step == STEP and head.decay.steps == STEP
         # rank 0 of 3 (rows 0-17) and rank 2 (34-50) each read one file, rank 1 (17-34) both
@@ -150,7 +150,7 @@ def test_a_rank_that_cannot_write_its_range_fails_every_rank_naming_its_file_and
     monkeypatch.setattr(range_checkpoint, "_write_own", full_disk_on_rank_1)
 
     def work(group):
-        lo, hi = shard_range(C, 2, group.rank)
+        lo, hi = row_range(C, 2, group.rank)
         own = RangeCopy(lo, hi, (torch.zeros(hi - lo, 1, D),))
         write_ranges(tmp_path / "last.pt", "loss", own, num_rows=C, step=1, collectives=group)
 

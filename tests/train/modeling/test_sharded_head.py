@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from pksampler.train.config.load import load_config
 from pksampler.train.errors import ConfigError
-from pksampler.train.modeling.sharded_head import ShardedMarginHead, sampled, shard_range
+from pksampler.train.modeling.sharded_head import ShardedMarginHead, sampled, row_range
 from pksampler.train.modeling.bnneck import BNNeck
 from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.solver.sparse_rows import SparseRowSGD
@@ -207,7 +207,7 @@ def test_an_elastic_reset_reshards_the_rows_in_place_and_the_trace_goes_on():
         head.collectives = group  # the backend's rank and size change in place at a reset
         head.set_world(World(rank=group.rank, size=group.size))
         head.load_whole(saved)
-        assert (head.lo, head.hi) == shard_range(C, 2, group.rank) and head.momentum.shape == head.rows.shape
+        assert (head.lo, head.hi) == row_range(C, 2, group.rank) and head.momentum.shape == head.rows.shape
         return head_steps(head, rows, range(3, 6))
 
     then = run_ranks(2, after)
@@ -266,7 +266,7 @@ def test_the_checkpoints_layout_is_kept_so_checkpoints_written_before_load(tmp_p
         return loss.head
 
     for rank, head in enumerate(run_ranks(2, load)):
-        lo, hi = shard_range(C, 2, rank)
+        lo, hi = row_range(C, 2, rank)
         assert torch.equal(head.rows, saved["head"]["rows"][lo:hi]) and head.step == 3 and head.decay.steps == 3
         assert torch.equal(head.momentum, torch.full((hi - lo, 1, D), 1.0))  # divided back by head.weight
 
@@ -291,7 +291,7 @@ def test_state_dict_is_nn_modules_own_this_ranks_state_which_loads_in_its_own_ra
     states = run_ranks(2, stepped)
     assert sorted(states[1]) == ["_extra_state", "head._extra_state", "neck.norm.bias", "neck.norm.weight",
                                  "pair.margin"]
-    assert (states[1]["head._extra_state"]["start"], states[1]["head._extra_state"]["stop"]) == shard_range(C, 2, 1)
+    assert (states[1]["head._extra_state"]["start"], states[1]["head._extra_state"]["stop"]) == row_range(C, 2, 1)
 
     def load(group):
         loss = build(group)
@@ -350,10 +350,10 @@ def test_per_rank_memory_is_the_rows_share():
     spec = dict(subcentres=2)
     for world in (1, 2, 4):
         heads = [ShardedMarginHead(1003, 16, Member(ThreadGroup(world), rank), **spec) for rank in range(world)]
-        assert [h.memory_bytes() for h in heads] == [(shard_range(1003, world, r)[1] - shard_range(1003, world, r)[0])
+        assert [h.memory_bytes() for h in heads] == [(row_range(1003, world, r)[1] - row_range(1003, world, r)[0])
                                                      * 2 * 16 * 4 for r in range(world)]
         assert max(h.memory_bytes() for h in heads) == -(-1003 // world) * 2 * 16 * 4
-    assert [shard_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
+    assert [row_range(10, 3, r) for r in range(3)] == [(0, 4), (4, 7), (7, 10)]
 
 
 def test_head_config_keys_are_checked():

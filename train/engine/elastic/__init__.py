@@ -17,14 +17,14 @@ from __future__ import annotations
 from typing import Any
 
 from pksampler.train.engine.elastic.commit import CommitHook, Commits
-from pksampler.train.engine.elastic.handlers import SamplerHandler, ShardHandler, Shared, host_key, state_handlers
+from pksampler.train.engine.elastic.handlers import SamplerHandler, SharedPartHandler, Shared, host_key, state_handlers
 from pksampler.train.engine.elastic.run import (ELASTIC_TIMEOUT_ENV, HorovodElasticMode, elastic_launch, loop_position,
                                                 rejoin_timeout)
 from pksampler.train.engine.mode import RunMode
 
 __all__ = ["CommitHook", "Commits", "ELASTIC_TIMEOUT_ENV", "HorovodElasticMode", "RunMode", "SamplerHandler",
-           "ShardHandler", "Shared", "choose_run_mode", "elastic_launch", "horovod_elastic", "host_key", "loop_position",
-           "rejoin_timeout", "state_handlers"]
+           "SharedPartHandler", "Shared", "choose_run_mode", "elastic_launch", "horovod_elastic", "host_key",
+           "loop_position", "rejoin_timeout", "state_handlers"]
 
 
 def horovod_elastic(backend: Any) -> bool:

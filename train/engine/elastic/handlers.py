@@ -15,7 +15,7 @@ Horovod picks a handler per value of its ``TorchState`` by type;
   restored in place, broadcast from rank 0.
 * every part that owns a share of a row-sharded table (each item of
   :attr:`StepParts.shared`, held as a :class:`Shared`; the sharded head's
-  loss is one), one :class:`ShardHandler` each: save = this rank's range and
+  loss is one), one :class:`SharedPartHandler` each: save = this rank's range and
   a replica of one rank's on another host, so a host that leaves takes no
   rows with it; after a reset every rank of the new world (joiners too)
   receives its new range from whoever holds it, or, in a job resumed from a
@@ -39,7 +39,7 @@ import torch
 
 from pksampler.train.engine.trainer import TrainState
 
-__all__ = ["SamplerHandler", "ShardHandler", "Shared", "as_state_handler", "host_key", "state_handlers"]
+__all__ = ["SamplerHandler", "SharedPartHandler", "Shared", "as_state_handler", "host_key", "state_handlers"]
 
 
 # --- state handlers -----------------------------------------------------------------
@@ -159,7 +159,7 @@ class Shared:
         self.part, self.key = part, key
 
 
-class ShardHandler:
+class SharedPartHandler:
     """Elastic state of one shared part: own range + one replica, re-assembled in every new world.
 
     A commit (:meth:`save`, a collective: every rank commits at the same step)
@@ -216,12 +216,12 @@ class ShardHandler:
 
     def save(self) -> None:
         from pksampler.train.modeling.head_replicas import exchange_replica, replica_shift
-        from pksampler.train.modeling.sharded_head import shard_range
+        from pksampler.train.modeling.sharded_head import row_range
 
         part, collectives = self.value.part, self.collectives
         dense, own = part.range_state()
         hosts = collectives.allgather(torch.tensor([self.host()], dtype=torch.int64)).cpu().tolist()
-        ranges = [shard_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
+        ranges = [row_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
         replica = exchange_replica(own, ranges, collectives=collectives, shift=replica_shift(hosts))
         # replaced only now: a commit cut short by a lost rank leaves the previous one whole
         self._dense, self._copies = dense, [own] + ([replica] if replica is not None else [])
@@ -253,7 +253,7 @@ class ShardHandler:
         every rank. No copy anywhere: no step was committed, the initial rows.
         """
         from pksampler.train.modeling import head_replicas
-        from pksampler.train.modeling.sharded_head import shard_range
+        from pksampler.train.modeling.sharded_head import row_range
 
         part, collectives = self.value.part, self.collectives
         row = head_replicas.holder_row(self._step, self._world, self._copies)
@@ -265,7 +265,7 @@ class ShardHandler:
             root = 0 if table[0, 0] == step else int((table[:, 0] == step).argmax())
             dense = collectives.broadcast_object(self._dense if collectives.rank == root else None, root,
                                                  name=self.name)
-            ranges = [shard_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
+            ranges = [row_range(part.num_rows, collectives.size, r) for r in range(collectives.size)]
             if table[root, 1] == 0:  # a checkpoint's rows: each rank reads its range's files, and keeps the names
                 self._from_disk(dense, *ranges[collectives.rank])
             else:

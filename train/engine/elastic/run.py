@@ -47,7 +47,7 @@ from pksampler.world import World
 
 from pksampler.train.engine.checkpoint import CheckpointWriter
 from pksampler.train.engine.elastic.commit import CommitHook, Commits
-from pksampler.train.engine.elastic.handlers import (SamplerHandler, ShardHandler, Shared, as_state_handler,
+from pksampler.train.engine.elastic.handlers import (SamplerHandler, SharedPartHandler, Shared, as_state_handler,
                                                      state_handlers)
 from pksampler.train.engine.hooks import CheckpointHook, OnMainRank
 from pksampler.train.engine.mode import RunMode
@@ -220,9 +220,9 @@ class HorovodElasticMode(RunMode):
 
         return run_fn(body, functools.partial(_rejoin_with_deadline, rejoin_timeout()))(state)
 
-    def _state(self, trainer: Trainer) -> tuple[Any, list[Any], list[ShardHandler]]:
+    def _state(self, trainer: Trainer) -> tuple[Any, list[Any], list[SharedPartHandler]]:
         """Horovod's ``TorchState`` of the run with pksampler's handlers; those it made (in order) and, of them,
-        one :class:`ShardHandler` per item of :attr:`StepParts.shared` (each held as a :class:`Shared`)."""
+        one :class:`SharedPartHandler` per item of :attr:`StepParts.shared` (each held as a :class:`Shared`)."""
         import horovod.torch as hvd
         from horovod.torch.elastic import state as hvd_state
 
@@ -232,9 +232,9 @@ class HorovodElasticMode(RunMode):
             made.append(as_state_handler(SamplerHandler)(sampler, position=lambda: loop_position(trainer)))
             return made[-1]
 
-        def shard_handler(shared: Shared) -> ShardHandler:
+        def shard_handler(shared: Shared) -> SharedPartHandler:
             # rank 0 of a resumed job holds what the checkpoint says of each shared part: it starts from that
-            shards.append(as_state_handler(ShardHandler)(shared, collectives=parts.backend,
+            shards.append(as_state_handler(SharedPartHandler)(shared, collectives=parts.backend,
                                                          resumed=trainer.resumed_share(shared.key),
                                                          name=f"pksampler.elastic.shared{len(shards)}"))
             made.append(shards[-1])
