@@ -58,13 +58,15 @@ def backend_of(launcher: str) -> str:
 
 
 def trace_launch(folder: Path, name: str, runs: dict[str, tuple[Path | None, list[str]]], *, launcher: str | None,
-                 np: int = 2, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+                 np: int = 2, timeout: float = 300.0,
+                 dtypes: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Train ``runs`` (name: config file or None for the defaults, ``--set`` overrides) one after the other in one
     launch of tests/distributed/trace_runs.py, each in ``folder / name / <run>``; ``launcher`` None: one plain
-    process. Output merged. A launch costs seconds of start-up per rank: the runs a comparison reads share one."""
+    process; ``dtypes``: a run's dtype when not the trainer's float32 (trace_runs.py). Output merged. A launch
+    costs seconds of start-up per rank: the runs a comparison reads share one."""
     spec = folder / f"{name}.json"
     spec.write_text(json.dumps({"root": str(folder / name), "runs": {
-        run: {"config": None if config is None else str(config), "set": list(sets)}
+        run: {"config": None if config is None else str(config), "set": list(sets), "dtype": (dtypes or {}).get(run)}
         for run, (config, sets) in runs.items()}}))
     if launcher is None:
         return run_launcher([sys.executable, str(TRACE_RUNS), str(spec)], kind="python", timeout=timeout,

@@ -21,18 +21,15 @@ one process, torchrun -np 2 and horovodrun -np 3 (G = 16 splits 6 + 5 + 5),
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from launch import ROOT, launch
 from tiny_runs import folder_keys
+from trainer_runs import trace_launch
 
 pytestmark = pytest.mark.horovod
-RUNNER = ROOT / "tests" / "distributed" / "trace_runs.py"
 STEPS = 12
 COMMON = ["optim.name=sgd", f"train.max_steps={STEPS}", "train.eval_every=100", "train.checkpoint_every=0",
           "train.tensorboard=false", "data.workers=0", "data.image_size=32",
@@ -48,17 +45,11 @@ WORLDS = {1: None, 2: "torchrun", 3: "horovodrun"}
 def trace_world(root: Path, world: int, runs: dict[str, dict]) -> tuple[Path, str]:
     """Train ``runs`` (trace_runs.py's format) at ``world`` ranks, each in ``root/<world>/<name>``; that folder and
     the launch's output."""
-    spec = root / f"runs{world}.json"
-    spec.write_text(json.dumps({"root": str(root / str(world)), "runs": runs}))
-    if WORLDS[world] is None:
-        result = subprocess.run([sys.executable, str(RUNNER), str(spec)], cwd=ROOT, capture_output=True, text=True,
-                                timeout=600)
-        output = result.stdout + result.stderr
-    else:
-        result = launch(WORLDS[world], RUNNER, str(spec), np=world, timeout=600)
-        output = result.stdout
-    assert result.returncode == 0, output[-4000:]
-    return root / str(world), output
+    result = trace_launch(root, str(world), {name: (run["config"], run["set"]) for name, run in runs.items()},
+                          launcher=WORLDS[world], np=world, timeout=600,
+                          dtypes={name: run["dtype"] for name, run in runs.items() if run.get("dtype")})
+    assert result.returncode == 0, result.stdout[-4000:]
+    return root / str(world), result.stdout
 
 
 @pytest.fixture(scope="module")

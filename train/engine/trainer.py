@@ -387,8 +387,7 @@ class Trainer:
         if not any(part is loss for part in self.parts.shared):
             return loss.state_dict()
         if write_rows is None:
-            whole = getattr(loss, "whole_state", None)
-            return whole() if whole is not None else loss.state_dict()
+            return loss.whole_state()
         return _saved_share("loss", loss, write_rows)
 
     def _shares_state(self, write_rows: RowWriter | None) -> dict[str, Any]:
