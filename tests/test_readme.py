@@ -1,6 +1,8 @@
 """README.md and docs/*.md say what the code does: snippets run as written, and nothing they name has drifted.
 
-* every ```python block runs as written (in a fresh namespace);
+* every ```python block runs as written, as ``python snippet.py`` in a fresh process and an empty folder (the way a
+  reader pastes it; a process of its own also keeps a snippet's DataLoader from forking a pytest worker whose other
+  tests started threads, such as onnxruntime's);
 * every ```yaml block that looks like a run config loads and validates as one;
 * in every ```bash block, the files a command names (``--config``, scripts,
   benchmarks) exist and every ``--set key=...`` names a configuration key;
@@ -52,9 +54,10 @@ def python_snippets() -> list[tuple[str, int, str]]:
 
 @pytest.mark.parametrize(("page", "number", "code"), python_snippets(), ids=lambda v: v if isinstance(v, str) and
                          v.endswith(".md") else None)
-def test_python_snippets_run_as_written(page, number, code, tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    exec(compile(code, f"{page} python block {number}", "exec"), {"__name__": "readme"})
+def test_python_snippets_run_as_written(page, number, code, tmp_path):
+    (tmp_path / "snippet.py").write_text(code, encoding="utf-8")
+    done = subprocess.run([sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{page} python block {number} failed:\n{done.stdout}\n{done.stderr}"
 
 
 def test_the_quick_start_is_on_the_front_page():
