@@ -77,7 +77,8 @@ def trace(neck: bool, eps: float, workspace: Path, *, elastic_head: bool = False
     """The step losses of one run: with or without the head's BNNeck, or (``elastic_head``) the model's neck."""
     if elastic_head:
         config = load_config(ROOT / "configs" / "demo.yaml",
-                             [*HEAD_SETTINGS, f"model.neck={'batch' if neck else 'none'}", f"workspace={workspace}"])
+                             [*HEAD_SETTINGS, "head.bnneck=false", f"model.neck={'batch' if neck else 'none'}",
+                              f"workspace={workspace}"])
     else:
         config = build_config({**CONFIG, "head": {**CONFIG["head"], "bnneck": neck}, "workspace": str(workspace)})
     train(config, [ScaleWeights(eps)])

@@ -18,6 +18,9 @@ BatchNorm running statistics to ``folder/<rank>.json``.
 ``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
+``PKSAMPLER_TEST_DTYPE=float64``: the model, the headed loss and the step compute in that dtype
+(trace_runs.py's :func:`computing_in`), so a comparison with one process is not lost in float32's amplified
+rounding.
 ``PKSAMPLER_TEST_TOY_TABLE=folder``: a hook keeps a second row-sharded table
 (tests/toy_table.py's :class:`ToyTable`, the sharded-state protocol) that every step adds its
 global step to; after training every rank writes its range to
@@ -41,6 +44,7 @@ from retrieval import main  # noqa: E402
 from pksampler.comm import world_info  # noqa: E402
 from pksampler.train.engine.hooks import HookBase  # noqa: E402
 from toy_table import ToyTable  # noqa: E402
+from trace_runs import computing_in  # noqa: E402
 
 
 class CrashAt(HookBase):
@@ -226,4 +230,6 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
 
 if __name__ == "__main__":
     arguments, extra_hooks = _arguments()
-    sys.exit(main(arguments, extra_hooks))
+    with computing_in(os.environ.get("PKSAMPLER_TEST_DTYPE")):
+        status = main(arguments, extra_hooks)
+    sys.exit(status)

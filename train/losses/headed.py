@@ -53,9 +53,7 @@ def whole_loss_state(saved: dict[str, Any]) -> dict[str, Any]:
     table: for one process that wants it (an export, a test), never a training rank."""
     if "ranges" not in saved:
         return saved
-    classes, subcentres, dim = saved_row_shape(saved)
-    like = (torch.zeros(0, subcentres, dim), torch.zeros(0, subcentres, dim))
-    rows, momentum = whole_copy(saved["ranges"]["manifest"], like).tensors
+    rows, momentum = whole_copy(saved["ranges"]["manifest"]).tensors
     dense = {key: value for key, value in saved.items() if key != "ranges"}
     return {**dense, "head": {**saved["head"], "rows": rows, "momentum": momentum, "momentum_of_own_loss": True}}
 

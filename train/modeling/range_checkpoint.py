@@ -197,11 +197,23 @@ def load_part(part: Any, saved: dict[str, Any], lo: int, hi: int, *, key: str) -
     part.load_range(dense, functools.partial(fill_range, ranges["manifest"], lo, hi))
 
 
-def whole_copy(manifest_path: Path, like: Sequence[torch.Tensor]) -> RangeCopy:
-    """The whole table as one :class:`RangeCopy` (every file read), tensors shaped and typed as ``like``'s rows."""
-    rows = int(read_manifest(Path(manifest_path))["rows"])
-    tensors = tuple(torch.zeros((rows, *t.shape[1:]), dtype=t.dtype) for t in like)
-    fill_range(manifest_path, 0, rows, *tensors)
+def whole_copy(manifest_path: Path) -> RangeCopy:
+    """The whole table as one :class:`RangeCopy`, every file read once, each tensor in the dtype it was saved in
+    (a float64 table stays float64)."""
+    manifest_path = Path(manifest_path)
+    manifest = read_manifest(manifest_path)
+    rows, tensors = int(manifest["rows"]), None
+    for entry in manifest["files"]:
+        saved = _read_file(manifest_path.parent, entry)
+        if tensors is None:
+            tensors = tuple(t.new_zeros((rows, *t.shape[1:])) for t in saved)
+        if len(saved) != len(tensors):
+            raise RangeFileError(f"checkpoint rows file {manifest_path.parent / entry['name']} holds {len(saved)} "
+                                 f"tensors, the first file {len(tensors)}")
+        for target, tensor in zip(tensors, saved):
+            target[entry["start"]:entry["stop"]] = tensor
+    if tensors is None:
+        raise RangeFileError(f"checkpoint rows manifest {manifest_path} lists no files for its {rows} rows")
     return RangeCopy(0, rows, tensors)
 
 

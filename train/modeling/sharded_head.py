@@ -411,7 +411,7 @@ class ShardedMarginHead(torch.nn.Module):
         """
         self.lo, self.hi = row_range(self.num_classes, world.size, world.rank)
         self.gradient_scale = world.loss_scale
-        self.rows = torch.zeros(self.hi - self.lo, self.subcentres, self.dim, device=self.rows.device)
+        self.rows = self.rows.new_zeros(self.hi - self.lo, self.subcentres, self.dim)  # the rows' dtype and device
         self.momentum = torch.zeros_like(self.rows)
         self.decay.resize(self.hi - self.lo)
         self.pending = None

@@ -159,3 +159,20 @@ def test_a_rank_that_cannot_write_its_range_fails_every_rank_naming_its_file_and
     assert str(errors[0]) == str(errors[1]) and re.search(r"step-1/rows-25-50\.pt could not be written: .*No space",
                                                           str(errors[0]))
     assert not (tmp_path / "last.shared" / "loss" / "step-1" / "manifest.json").exists()
+
+
+def test_the_whole_table_is_read_in_the_dtype_it_was_saved_in(tmp_path):
+    """A float64 table's whole copy (an export's, a test's) stays float64: it was read into float32 tensors."""
+    checkpoint = tmp_path / "last.pt"
+
+    def work(group):
+        lo, hi = row_range(C, group.size, group.rank)
+        rows = torch.arange(lo, hi, dtype=torch.float64)[:, None] / 3
+        return write_ranges(checkpoint, "table", RangeCopy(lo, hi, (rows, -rows)), num_rows=C, step=1,
+                            collectives=group)
+
+    reference, _ = run_ranks(2, work)
+    whole = range_checkpoint.whole_copy(checkpoint.parent / reference["manifest"])
+    assert [t.dtype for t in whole.tensors] == [torch.float64, torch.float64] and (whole.lo, whole.hi) == (0, C)
+    assert torch.equal(whole.tensors[0][:, 0], torch.arange(C, dtype=torch.float64) / 3)
+    assert torch.equal(whole.tensors[1], -whole.tensors[0])

@@ -230,6 +230,17 @@ def test_a_reset_before_the_first_step_rebuilds_the_initial_rows_of_the_new_rang
         head.load_initial()
 
 
+def test_a_reset_keeps_the_rows_dtype():
+    """A head built in float64 (or any dtype) keeps it through an elastic reset: the new range's rows and momentum
+    were float32 whatever the head's, and the assembly's all-to-all then mixed float64 and float32 (Horovod
+    refuses that; the elastic float64 test met it)."""
+    head = ShardedMarginHead(C, D, Member(ThreadGroup(3), 2), name="cosface", negatives=15, seed=1).double()
+    head.collectives = Member(ThreadGroup(2), 1)
+    head.set_world(World(rank=1, size=2))
+    assert head.rows.dtype == head.momentum.dtype == torch.float64
+    assert (head.lo, head.hi) == row_range(C, 2, 1) and head.momentum.shape == head.rows.shape
+
+
 def test_under_horovod_elastic_the_head_needs_gathered_embeddings_even_from_one_process(monkeypatch):
     """A job started at -np 1 grows later: its rows must then see the global batch."""
     from types import SimpleNamespace
