@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     from pksampler.samplers import SamplerMismatchError
     from pksampler.train.config.load import ConfigError, load_config
     from pksampler.train.runtime.distributed import CollectiveTimeout
+    from pksampler.train.engine.elastic.run import ElasticResetLoop
     from pksampler.train.engine.trainer import TrainingDiverged
 
     overrides = list(args.overrides)
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     except (ConfigError, SamplerMismatchError) as error:
         # Every rank hits the same error (set-up failures are raised together); rank 0 reports it.
         return _report_and_exit(f"error: {error}", 2)
-    except TrainingDiverged as error:
+    except (TrainingDiverged, ElasticResetLoop) as error:
         return _report_and_exit(f"error: {error}", 1)
     except CollectiveTimeout as error:
         # The rank that stopped may be rank 0: every rank that waited says so itself.

@@ -10,6 +10,7 @@ import pytest
 from pksampler.train.config.load import ConfigError, load_config
 from pksampler.train.engine.elastic import SamplerHandler, elastic_launch, rejoin_timeout
 from pksampler.train.engine.elastic.handlers import _TrainStateHandler
+from pksampler.train.engine.elastic.run import ElasticResetLoop, ResetLoopGuard
 from pksampler.train.engine.writers import CommittedJSONWriter, WriterHook
 from pksampler.world import World
 from pksampler.train.builders import build_sampler
@@ -236,3 +237,24 @@ def test_under_horovod_elastic_a_held_step_line_carries_the_heads_numbers(tmp_pa
         assert {"head_loss", "head_softmax_loss", "head_margin"} <= json.loads(log.pending[-1]).keys()
     finally:
         run.close()
+
+
+def test_the_same_collective_failing_three_times_in_the_same_world_and_step_ends_the_job_in_one_line():
+    """Horovod resets after every failed collective, silently and forever; a failure that repeats unchanged (ranks
+    that disagree on a tensor's dtype: float64 rows sent to float32 receivers did this) cannot be a lost host."""
+    guard = ResetLoopGuard()
+    mismatch = RuntimeError("Mismatched data types: One rank had type float64, but another rank had type float32.")
+    guard.failed(mismatch, step=6, world_size=4)
+    guard.failed(mismatch, step=6, world_size=4)
+    with pytest.raises(ElasticResetLoop, match=r"failed 3 times in a row at step 6 in a world of 4 ranks each time, "
+                       r"so a reset cannot help: Mismatched data types: One rank had type float64"):
+        guard.failed(mismatch, step=6, world_size=4)
+
+
+def test_failures_that_a_reset_can_answer_never_end_the_job():
+    guard = ResetLoopGuard()
+    lost = RuntimeError("Gloo connection closed by peer")
+    for step, size in [(6, 4), (6, 3), (6, 2), (6, 3), (7, 3), (7, 2), (8, 2)]:  # hosts left, joined; steps went on
+        guard.failed(lost, step=step, world_size=size)
+    guard.failed(RuntimeError("another message"), step=8, world_size=2)
+    guard.failed(lost, step=8, world_size=2)  # not three of the same in a row

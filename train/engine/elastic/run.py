@@ -56,8 +56,8 @@ from pksampler.train.engine.writers import CommittedJSONWriter, EventWriter, OnM
 from pksampler.train.errors import ConfigError
 from pksampler.train.runtime.workspace import EventLog, WorkspaceLock
 
-__all__ = ["ELASTIC_TIMEOUT_ENV", "HorovodElasticMode", "REJOIN_EXIT_STATUS", "TAKE_OVER_WAIT_SECONDS",
-           "elastic_launch", "loop_position", "rejoin_timeout"]
+__all__ = ["ELASTIC_TIMEOUT_ENV", "ElasticResetLoop", "HorovodElasticMode", "REJOIN_EXIT_STATUS", "ResetLoopGuard",
+           "TAKE_OVER_WAIT_SECONDS", "elastic_launch", "loop_position", "rejoin_timeout"]
 
 #: Horovod's driver waits this long (seconds) for enough hosts after a membership change
 ELASTIC_TIMEOUT_ENV = "HOROVOD_ELASTIC_TIMEOUT"
@@ -114,6 +114,38 @@ def _rejoin_with_deadline(seconds: float) -> None:
         hvd.init()
     finally:
         timer.cancel()
+
+
+class ElasticResetLoop(RuntimeError):
+    """The same collective failed again and again in the same world at the same step: a defect, not a lost host."""
+
+
+class ResetLoopGuard:
+    """Ends a Horovod elastic job whose resets cannot help, in one line, instead of resetting forever.
+
+    Horovod's ``run_fn`` answers every ``HorovodInternalError`` with a
+    rollback and a reset, silently, and tries again. A lost host changes the
+    world, so the next try differs; a collective that fails for a reason of
+    its own (ranks that disagree on a tensor's dtype or shape) fails the same
+    way in the same world at the same step on every try, and the job would
+    loop without a word. :meth:`failed` counts such repeats and, at
+    ``repeats``, raises :class:`ElasticResetLoop` with the collective's message.
+    """
+
+    def __init__(self, repeats: int = 3) -> None:
+        self.repeats, self._last, self._count = repeats, None, 0
+
+    def failed(self, error: BaseException, *, step: int, world_size: int) -> None:
+        """Note a failed collective (``error``) at global ``step`` in a world of ``world_size``; raise when the same
+        failure has now been seen ``repeats`` times in a row."""
+        key = (step, world_size, str(error))
+        self._count = self._count + 1 if key == self._last else 1
+        self._last = key
+        if self._count >= self.repeats:
+            raise ElasticResetLoop(
+                f"Horovod elastic: the same collective failed {self._count} times in a row at step {step} in a "
+                f"world of {world_size} ranks each time, so a reset cannot help: "
+                f"{' '.join(str(error).split())[:300]}") from error
 
 
 def loop_position(trainer: Trainer) -> dict[str, Any]:
@@ -208,6 +240,15 @@ class HorovodElasticMode(RunMode):
         trainer.register([CommitHook(self._commits, every=self.commit_every)])
         state.register_reset_callbacks([functools.partial(self._on_reset, trainer, handlers)])
 
+        guard = ResetLoopGuard()
+
+        def guarded(work: Callable[[], Any]) -> Any:
+            try:
+                return work()
+            except HorovodInternalError as error:
+                guard.failed(error, step=trainer.state.global_step, world_size=hvd.size())
+                raise
+
         def body(state: Any) -> TrainState:
             # Synced: every rank holds rank 0's committed state and its own share for this world (each shared
             # part's is assembled here when Horovod skipped the sync: hosts only left).
@@ -218,7 +259,9 @@ class HorovodElasticMode(RunMode):
                 check()
             return trainer.train(interrupted_by=(HorovodInternalError, HostsUpdatedInterrupt))
 
-        return run_fn(body, functools.partial(_rejoin_with_deadline, rejoin_timeout()))(state)
+        state.sync = functools.partial(guarded, state.sync)  # Horovod's run_fn calls it before body after a reset
+        return run_fn(lambda state: guarded(functools.partial(body, state)),
+                      functools.partial(_rejoin_with_deadline, rejoin_timeout()))(state)
 
     def _state(self, trainer: Trainer) -> tuple[Any, list[Any], list[SharedPartHandler]]:
         """Horovod's ``TorchState`` of the run with pksampler's handlers; those it made (in order) and, of them,
