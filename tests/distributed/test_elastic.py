@@ -244,7 +244,8 @@ def _check_same_model(workspace: Path, reference: Path) -> None:
 #: step 10, as far as an uninterrupted horovodrun -np 2 drifts from it), so a float32 comparison could not
 #: tell a lost range from rounding; in float64 the rounding is 1e-16 and the same steps must agree to 1e-9
 #: (docs/sharded-head.md, "BNNeck: the traces drift, and why")
-HEAD_SETTINGS = (*JOIN_SETTINGS, "head.name=cosface", "head.scale=16", "head.margin=0.2", "model.neck=batch")
+HEAD_SETTINGS = (*JOIN_SETTINGS, "head.name=cosface", "head.scale=16", "head.margin=0.2", "model.neck=batch",
+                 "data.args.image_size=24", "data.image_size=16", "model.width=8")  # float64 convolutions are slow
 #: the head runs' environment: they train in float64 (tests/distributed/train_with_test_hooks.py)
 HEAD_ENV = {"PKSAMPLER_TEST_DTYPE": "float64"}
 #: how far a float64 head run may be from one process's run of the same global batches (relative): measured
@@ -278,10 +279,13 @@ def rank_0s_host_left(folder: Path) -> ElasticRun:
 
 @shared_run()
 def joined_with_head(folder: Path) -> ElasticRun:
-    """2 workers, a host of 2 added after step 3, 12 steps with a row-sharded head and the hook's table."""
+    """2 workers, a host of 2 added once step 2 is logged, 12 steps with a row-sharded head and the hook's table.
+    The steps are short: rank 0 holds after step 3 until Horovod tells it of the new hosts, and the commit at
+    step 4 moves the run into the world of 4."""
     (folder / TOY).mkdir()
-    return run_elastic(folder, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=3,
-                       settings=HEAD_SETTINGS, env={**HEAD_ENV, "PKSAMPLER_TEST_TOY_TABLE": str(folder / TOY)})
+    return run_elastic(folder, hosts=ONE_HOST, then=TWO_HOSTS, np=2, min_np=2, max_np=4, after_step=2,
+                       settings=HEAD_SETTINGS, env={**HEAD_ENV, "PKSAMPLER_TEST_TOY_TABLE": str(folder / TOY),
+                                                    "PKSAMPLER_TEST_HOLD_FOR_HOSTS": "3"})
 
 
 @shared_run()

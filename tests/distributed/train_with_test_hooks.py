@@ -18,6 +18,10 @@ BatchNorm running statistics to ``folder/<rank>.json``.
 ``PKSAMPLER_TEST_RECORD=folder``: every rank appends, per global step, the
 sample indices it trained to ``folder/<pid>.jsonl`` (needs
 ``data.workers=0``, so the images are fetched in the rank's own process).
+``PKSAMPLER_TEST_HOLD_FOR_HOSTS=step``: under Horovod elastic, rank 0 waits after that global step until the
+driver has told it that the hosts changed (an event: the driver notifies the coordinator, rank 0, which
+broadcasts it at the next commit; the other ranks wait in that step's collectives), so a run whose steps are
+short cannot end before a host joins.
 ``PKSAMPLER_TEST_DTYPE=float64``: the model, the headed loss and the step compute in that dtype
 (trace_runs.py's :func:`computing_in`), so a comparison with one process is not lost in float32's amplified
 rounding.
@@ -119,6 +123,29 @@ class FreezeAt(HookBase):
             time.sleep(3600)
 
 
+class HoldForHosts(HookBase):
+    """After global step ``step`` rank 0 waits (at most ``timeout`` s, below the tests' Gloo timeout) for Horovod's
+    notice that the hosts changed; the commit after it then resets every rank into the new world."""
+
+    def __init__(self, step: int, timeout: float = 120.0) -> None:
+        import threading
+
+        self.step, self.timeout, self.updated = step, timeout, threading.Event()
+
+    def before_train(self) -> None:
+        from horovod.common.elastic import notification_manager
+
+        notification_manager.register_listener(self)
+
+    def on_hosts_updated(self, timestamp, update_res) -> None:  # Horovod's listener protocol
+        self.updated.set()
+
+    def after_step(self) -> None:
+        if self.trainer.state.global_step == self.step and world_info()[0] == 0 and \
+                not self.updated.wait(self.timeout):
+            raise RuntimeError(f"no hosts update reached this rank within {self.timeout:.0f} s of step {self.step}")
+
+
 class WritePid(HookBase):
     def __init__(self, folder: str) -> None:
         self.folder = Path(folder)
@@ -218,6 +245,8 @@ def _arguments() -> tuple[list[str], list[HookBase]]:
         hooks.append(WriteNormStatistics(os.environ["PKSAMPLER_TEST_NORM_STATS"]))
     if os.environ.get("PKSAMPLER_TEST_RECORD"):
         hooks.append(RecordBatches(Path(os.environ["PKSAMPLER_TEST_RECORD"])))
+    if os.environ.get("PKSAMPLER_TEST_HOLD_FOR_HOSTS"):
+        hooks.append(HoldForHosts(int(os.environ["PKSAMPLER_TEST_HOLD_FOR_HOSTS"])))
     if os.environ.get("PKSAMPLER_TEST_TOY_TABLE"):
         hooks.append(KeepToyTable(os.environ["PKSAMPLER_TEST_TOY_TABLE"]))
     variant = os.environ.get("PKSAMPLER_TEST_RANK_SET")
