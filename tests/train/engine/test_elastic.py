@@ -258,3 +258,21 @@ def test_failures_that_a_reset_can_answer_never_end_the_job():
         guard.failed(lost, step=step, world_size=size)
     guard.failed(RuntimeError("another message"), step=8, world_size=2)
     guard.failed(lost, step=8, world_size=2)  # not three of the same in a row
+
+
+def test_ranks_lost_again_and_again_at_the_same_step_are_left_to_horovods_driver():
+    """Joiners that die in the state sync, each replaced by a spare host of the same size, fail the survivors' sync
+    at the committed step in a world of the same size with Horovod's one shut-down message: the driver
+    blacklists each and goes on without them, so these never end the job, nor count towards a refused one."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    guard = ResetLoopGuard()
+    lost = HorovodInternalError(RuntimeError(
+        "Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to allreduce, "
+        "allgather or broadcast a tensor after one of the ranks finished execution."))
+    mismatch = HorovodInternalError(RuntimeError("Mismatched data types: One rank had type float64, but another "
+                                                 "rank had type float32."))
+    for error in (lost, lost, lost, lost, mismatch, mismatch, lost, mismatch, mismatch):
+        guard.failed(error, step=10, world_size=4)
+    with pytest.raises(ElasticResetLoop, match="Mismatched data types"):
+        guard.failed(mismatch, step=10, world_size=4)
