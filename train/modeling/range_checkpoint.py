@@ -197,6 +197,16 @@ def load_part(part: Any, saved: dict[str, Any], lo: int, hi: int, *, key: str) -
     part.load_range(dense, functools.partial(fill_range, ranges["manifest"], lo, hi))
 
 
+def _same_layout(path: Path, saved: Sequence[torch.Tensor], first: Sequence[torch.Tensor]) -> None:
+    """Refuse, in one line naming ``path``, a range file whose tensors differ from the first file's in number,
+    dtype or row shape: copied into the first file's tensors they would be cast or broadcast without a word."""
+    described = [(str(t.dtype).removeprefix("torch."), tuple(t.shape[1:])) for t in saved]
+    expected = [(str(t.dtype).removeprefix("torch."), tuple(t.shape[1:])) for t in first]
+    if described != expected:
+        raise RangeFileError(f"checkpoint rows file {path} holds tensors of (dtype, row shape) {described}, the "
+                             f"first file {expected}: every range file of a table must hold the same")
+
+
 def whole_copy(manifest_path: Path) -> RangeCopy:
     """The whole table as one :class:`RangeCopy`, every file read once, each tensor in the dtype it was saved in
     (a float64 table stays float64)."""
@@ -207,9 +217,7 @@ def whole_copy(manifest_path: Path) -> RangeCopy:
         saved = _read_file(manifest_path.parent, entry)
         if tensors is None:
             tensors = tuple(t.new_zeros((rows, *t.shape[1:])) for t in saved)
-        if len(saved) != len(tensors):
-            raise RangeFileError(f"checkpoint rows file {manifest_path.parent / entry['name']} holds {len(saved)} "
-                                 f"tensors, the first file {len(tensors)}")
+        _same_layout(manifest_path.parent / entry["name"], saved, tensors)
         for target, tensor in zip(tensors, saved):
             target[entry["start"]:entry["stop"]] = tensor
     if tensors is None:

@@ -258,3 +258,79 @@ def test_failures_that_a_reset_can_answer_never_end_the_job():
         guard.failed(lost, step=step, world_size=size)
     guard.failed(RuntimeError("another message"), step=8, world_size=2)
     guard.failed(lost, step=8, world_size=2)  # not three of the same in a row
+
+
+def test_ranks_lost_again_and_again_at_the_same_step_are_left_to_horovods_driver():
+    """Joiners that die in the state sync, each replaced by a spare host of the same size, fail the survivors' sync
+    at the committed step in a world of the same size with Horovod's one shut-down message: the driver
+    blacklists each and goes on without them, so these never end the job, nor count towards a refused one."""
+    from horovod.common.exceptions import HorovodInternalError
+
+    guard = ResetLoopGuard()
+    lost = HorovodInternalError(RuntimeError(
+        "Horovod has been shut down. This was caused by an exception on one of the ranks or an attempt to allreduce, "
+        "allgather or broadcast a tensor after one of the ranks finished execution."))
+    mismatch = HorovodInternalError(RuntimeError("Mismatched data types: One rank had type float64, but another "
+                                                 "rank had type float32."))
+    for error in (lost, lost, lost, lost, mismatch, mismatch, lost, mismatch, mismatch):
+        guard.failed(error, step=10, world_size=4)
+    with pytest.raises(ElasticResetLoop, match="Mismatched data types"):
+        guard.failed(mismatch, step=10, world_size=4)
+
+
+@pytest.mark.parametrize("where", ["sync", "body"])
+def test_horovod_elastic_mode_ends_a_refused_collectives_reset_loop_under_horovods_own_run_fn(tmp_path, monkeypatch,
+                                                                                              where):
+    """The guard as HorovodElasticMode.run wires it, under Horovod's real ``run_fn`` (in one process: the reset
+    and the world size stubbed): a collective refused in the state sync (which ``run_fn`` calls after every reset)
+    or in the training body ends the run on the third try; a lost rank's failures do not, and training goes on."""
+    import horovod.torch as hvd
+    from horovod.common.exceptions import HorovodInternalError
+    from horovod.torch.elastic import state as hvd_state
+
+    from pksampler.train.engine.elastic import HorovodElasticMode
+    from pksampler.train.engine.elastic import run as elastic_run
+    from pksampler.train.run_setup import assemble
+
+    monkeypatch.setattr(hvd_state, "_handler_registry", list(hvd_state._handler_registry))
+    monkeypatch.setattr(hvd, "size", lambda: 4)
+    monkeypatch.setattr(elastic_run, "_rejoin_with_deadline", lambda seconds: None)
+    monkeypatch.setattr(hvd_state.TorchState, "check_host_updates", lambda state: None)  # at each commit
+    refused = HorovodInternalError(RuntimeError("Mismatched data types: One rank had type float64, but another rank "
+                                                "had type float32."))
+    lost = HorovodInternalError(RuntimeError("Horovod has been shut down. This was caused by an exception on one of "
+                                             "the ranks"))
+    tries, errors = [], {"sync": [refused] * 3, "body": [lost] * 4}
+    monkeypatch.setattr(hvd_state.TorchState, "sync", lambda state: tries.append("sync") or (
+        _raise(errors["sync"].pop(0)) if errors["sync"] else None))
+    tiny = ["data.args={num_classes: 12, images_per_class: 4, image_size: 16}", "data.image_size=16",
+            "data.workers=0", "sampler.classes_per_step=4", "sampler.samples_per_class=2", "model.width=8",
+            "model.depth=[1]", "model.embedding_dim=8", f"workspace={tmp_path / 'run'}", "train.max_steps=2",
+            "train.tensorboard=false"]
+    backend = Backend()
+    run = assemble(load_config(None, tiny, environ={}), backend, mode=HorovodElasticMode(backend, commit_every=1))
+    train = run.trainer.train
+
+    def failing_train(**kwargs):
+        tries.append("body")
+        if errors["body"]:
+            raise errors["body"].pop(0)
+        return train(**kwargs)
+
+    monkeypatch.setattr(run.trainer, "train", failing_train)
+    if where == "body":
+        errors["sync"], errors["body"] = [], [lost, refused, lost, lost, refused, refused, refused]
+    try:
+        with pytest.raises(ElasticResetLoop, match=r"failed 3 times in a row at step 0 in a world of 4 ranks each "
+                           r"time, so a reset cannot help: Mismatched data types"):
+            run.train()
+        assert tries == (["sync"] * 3 if where == "sync" else ["sync", "body"] * 7)
+        errors["sync"], errors["body"], tries[:] = [], [lost] * 5, []  # a lost rank, again and again: trained on
+        state = run.train()
+        assert state.global_step == 2 and tries == ["sync", "body"] * 6
+    finally:
+        run.close()
+
+
+def _raise(error: BaseException) -> None:
+    raise error

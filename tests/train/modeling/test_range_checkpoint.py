@@ -176,3 +176,26 @@ def test_the_whole_table_is_read_in_the_dtype_it_was_saved_in(tmp_path):
     assert [t.dtype for t in whole.tensors] == [torch.float64, torch.float64] and (whole.lo, whole.hi) == (0, C)
     assert torch.equal(whole.tensors[0][:, 0], torch.arange(C, dtype=torch.float64) / 3)
     assert torch.equal(whole.tensors[1], -whole.tensors[0])
+
+
+@pytest.mark.parametrize(("late", "found"), [
+    ((torch.float32, (4,)), r"\('float32', \(4,\)\)\], the first file \[\('float64', \(4,\)\)\]"),  # was cast
+    ((torch.float64, (1,)), r"\('float64', \(1,\)\)\], the first file \[\('float64', \(4,\)\)\]"),  # broadcast
+])
+def test_a_whole_copy_refuses_range_files_that_disagree_in_dtype_or_row_shape(tmp_path, late, found):
+    """Each file matches its manifest, but the second rank's rows differ from the first's in dtype (a float64
+    table's range rebuilt in float32 by an elastic reset, as before the reset kept the rows' dtype) or in row
+    shape: copied into the first file's tensors they were cast or broadcast without a word."""
+    checkpoint = tmp_path / "last.pt"
+
+    def work(group):
+        lo, hi = row_range(C, group.size, group.rank)
+        dtype, shape = (torch.float64, (4,)) if group.rank == 0 else late
+        rows = torch.arange(lo, hi, dtype=dtype).reshape(hi - lo, *[1] * len(shape)).expand(hi - lo, *shape) / 3
+        return write_ranges(checkpoint, "table", RangeCopy(lo, hi, (rows.contiguous(),)), num_rows=C, step=1,
+                            collectives=group)
+
+    reference, _ = run_ranks(2, work)
+    with pytest.raises(RangeFileError, match=r"rows file .*step-1/rows-\d+-\d+\.pt holds tensors of \(dtype, row "
+                       r"shape\) \[" + found + r": every range file of a table must hold the same"):
+        range_checkpoint.whole_copy(checkpoint.parent / reference["manifest"])

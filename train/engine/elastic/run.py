@@ -124,20 +124,30 @@ class ResetLoopGuard:
     """Ends a Horovod elastic job whose resets cannot help, in one line, instead of resetting forever.
 
     Horovod's ``run_fn`` answers every ``HorovodInternalError`` with a
-    rollback and a reset, silently, and tries again. A lost host changes the
-    world, so the next try differs; a collective that fails for a reason of
-    its own (ranks that disagree on a tensor's dtype or shape) fails the same
-    way in the same world at the same step on every try, and the job would
-    loop without a word. :meth:`failed` counts such repeats and, at
-    ``repeats``, raises :class:`ElasticResetLoop` with the collective's message.
+    rollback and a reset, silently, and tries again. A collective that fails
+    for a reason of its own (ranks that disagree on a tensor's dtype or
+    shape: Horovod refuses it and stays up) fails the same way in the same
+    world at the same step on every try, and the job would loop without a
+    word. :meth:`failed` counts such repeats and, at ``repeats``, raises
+    :class:`ElasticResetLoop` with the collective's message. A lost rank is
+    not counted: it shuts Horovod down (:data:`PEER_LOST`, the same message
+    whoever left), and the driver answers it, also when spare hosts of the
+    same size replace the lost ones (joiners that die in the state sync, at
+    the committed step, one after another) until none is left.
     """
+
+    #: Horovod's message for a collective that a lost rank ended (its background loop shut down)
+    PEER_LOST = "Horovod has been shut down"
 
     def __init__(self, repeats: int = 3) -> None:
         self.repeats, self._last, self._count = repeats, None, 0
 
     def failed(self, error: BaseException, *, step: int, world_size: int) -> None:
         """Note a failed collective (``error``) at global ``step`` in a world of ``world_size``; raise when the same
-        failure has now been seen ``repeats`` times in a row."""
+        refused collective has now been seen ``repeats`` times in a row (a lost rank starts the count again)."""
+        if self.PEER_LOST in str(error):
+            self._last, self._count = None, 0
+            return
         key = (step, world_size, str(error))
         self._count = self._count + 1 if key == self._last else 1
         self._last = key
