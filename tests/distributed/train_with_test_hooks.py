@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -128,8 +129,6 @@ class HoldForHosts(HookBase):
     notice that the hosts changed; the commit after it then resets every rank into the new world."""
 
     def __init__(self, step: int, timeout: float = 120.0) -> None:
-        import threading
-
         self.step, self.timeout, self.updated = step, timeout, threading.Event()
 
     def before_train(self) -> None:
