@@ -37,8 +37,8 @@ def world_trace(world: int, root: Path, sets: list[str], dtype: str) -> np.ndarr
     """The step losses of the head run at ``world`` ranks."""
     from test_global_neck import COMMON, _losses, trace_world
 
-    run = {"config": None, "set": [*COMMON, "head.name=arcface", *sets], "dtype": None if dtype == "float32" else dtype}
-    return _losses(trace_world(root, world, {"head": run})[0] / "head")
+    dtypes = {} if dtype == "float32" else {"head": dtype}
+    return _losses(trace_world(root, world, {"head": [*COMMON, "head.name=arcface", *sets]}, dtypes)[0] / "head")
 
 
 def main() -> None:

@@ -42,12 +42,11 @@ DTYPES = {"head_fp64": "float64"}  # the others train as the trainer does, in fl
 WORLDS = {1: None, 2: "torchrun", 3: "horovodrun"}
 
 
-def trace_world(root: Path, world: int, runs: dict[str, dict]) -> tuple[Path, str]:
-    """Train ``runs`` (trace_runs.py's format) at ``world`` ranks, each in ``root/<world>/<name>``; that folder and
-    the launch's output."""
-    result = trace_launch(root, str(world), {name: (run["config"], run["set"]) for name, run in runs.items()},
-                          launcher=WORLDS[world], np=world, timeout=600,
-                          dtypes={name: run["dtype"] for name, run in runs.items() if run.get("dtype")})
+def trace_world(root: Path, world: int, runs: dict[str, list[str]], dtypes: dict[str, str]) -> tuple[Path, str]:
+    """Train ``runs`` (name: ``--set`` overrides of the default config; ``dtypes``: a run's dtype when not float32)
+    at ``world`` ranks, each in ``root/<world>/<name>``; that folder and the launch's output."""
+    result = trace_launch(root, str(world), {name: (None, sets) for name, sets in runs.items()},
+                          launcher=WORLDS[world], np=world, timeout=600, dtypes=dtypes)
     assert result.returncode == 0, result.stdout[-4000:]
     return root / str(world), result.stdout
 
@@ -55,8 +54,8 @@ def trace_world(root: Path, world: int, runs: dict[str, dict]) -> tuple[Path, st
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("traces")
-    runs = {name: {"config": None, "set": [*COMMON, *sets], "dtype": DTYPES.get(name)} for name, sets in RUNS.items()}
-    return {world: trace_world(root, world, runs) for world in WORLDS}
+    runs = {name: [*COMMON, *sets] for name, sets in RUNS.items()}
+    return {world: trace_world(root, world, runs, DTYPES) for world in WORLDS}
 
 
 def _losses(workspace: Path) -> np.ndarray:
