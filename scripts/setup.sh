@@ -151,12 +151,16 @@ fi
 [[ -f "$VENV/.gitignore" ]] || echo '*' >"$VENV/.gitignore"   # a venv beside the sources stays out of git status
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check --no-input)
+# Installs skip pip's byte-compilation: torch alone ships ~6,000 Python files and an `import torch` reads about a
+# tenth of them, so compiling every file was two thirds of the set-up's CPU time. What runs is compiled once below
+# (the trainer's and the launchers' imports) or by the first test process that imports it (scripts/test.sh).
+INSTALL=("${PIP[@]}" install -q --no-compile)
 
 "${PIP[@]}" install -q --upgrade "pip>=23.2" "setuptools>=77" wheel
 
 # --- torch first, then everything else under a constraint that keeps it ------
 log "installing torch==$TORCH_VERSION"
-"${PIP[@]}" install -q "torch==$TORCH_VERSION"
+"${INSTALL[@]}" "torch==$TORCH_VERSION" "numpy>=1.24"   # numpy with it: torch warns at import without it
 "$PY" -c "import torch, sys; v = torch.__version__.split('+')[0]; sys.exit(0 if v == '$TORCH_VERSION' else 'torch %s was installed instead of $TORCH_VERSION' % torch.__version__)"
 TORCH_CUDA="$("$PY" -c 'import torch; print(torch.version.cuda or "")')"
 log "torch $("$PY" -c 'import torch; print(torch.__version__)') ($([[ -n "$TORCH_CUDA" ]] && echo "CUDA $TORCH_CUDA" || echo CPU) build)"
@@ -164,7 +168,7 @@ log "torch $("$PY" -c 'import torch; print(torch.__version__)') ($([[ -n "$TORCH
 CONSTRAINTS="$VENV/pksampler-constraints.txt"
 echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"
 log "installing pksampler (editable) with dev extras"
-"${PIP[@]}" install -q -c "$CONSTRAINTS" -e "$ROOT[dev]"
+"${INSTALL[@]}" -c "$CONSTRAINTS" -e "$ROOT[dev]"
 "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 'an extra replaced torch with %s' % torch.__version__)"
 
 # --- the parity tests' reference code, where nothing else imports it -----------
@@ -182,8 +186,8 @@ for stale in torchvision timm; do
 done
 log "installing the parity tests' reference code (timm, torchvision $TORCHVISION_VERSION) into $VENV/reference"
 rm -rf "$VENV/reference"
-"${PIP[@]}" install -q --no-deps --target "$VENV/reference/timm" "timm>=1.0"
-"${PIP[@]}" install -q --no-deps --target "$VENV/reference/torchvision" "torchvision==$TORCHVISION_VERSION"
+"${INSTALL[@]}" --no-deps --target "$VENV/reference/timm" "timm>=1.0"
+"${INSTALL[@]}" --no-deps --target "$VENV/reference/torchvision" "torchvision==$TORCHVISION_VERSION"
 "$PY" -c "import lightning, torch.utils.data" || die "import lightning fails in $VENV (docs/frameworks.md)"
 
 # --- Horovod ------------------------------------------------------------------
@@ -297,7 +301,7 @@ if [[ -z "$WHEEL" ]]; then
 else
     log "using cached Horovod wheel $WHEEL"
 fi
-"${PIP[@]}" install -q -c "$CONSTRAINTS" "$WHEEL"
+"${INSTALL[@]}" -c "$CONSTRAINTS" "$WHEEL"
 
 CHECK="$("$VENV/bin/horovodrun" --check-build 2>&1)" || die "horovodrun --check-build failed: $CHECK"
 grep -q '\[X\] PyTorch' <<<"$CHECK" || die "Horovod was built without PyTorch support:
@@ -309,6 +313,15 @@ if [[ "$FLAVOUR" == nccl-* ]]; then
 $CHECK"
 fi
 log "horovodrun --check-build: PyTorch and Gloo available$([[ "$FLAVOUR" == gloo ]] || echo ", NCCL for GPU tensors")"
+
+# --- bytecode of what every rank imports -----------------------------------------
+# The installs above wrote no bytecode. Importing the trainer's and the launchers' libraries once, with bytecode
+# writing on, compiles exactly the modules they read, so a rank started with PYTHONDONTWRITEBYTECODE set (as on
+# some machines) does not compile them from source at every start.
+log "compiling the modules the trainer and its launchers import"
+env -u PYTHONDONTWRITEBYTECODE "$PY" -c "$(printf 'import %s\n' torch torch.distributed.run torch.utils.tensorboard \
+    numpy PIL.Image faiss yaml tqdm matplotlib.pyplot safetensors.torch obstore horovod.torch horovod.runner.launch)" \
+    || die "importing the trainer's libraries fails in $VENV"
 
 echo "$STAMP_WANT" >"$STAMP_FILE"
 log "set-up finished in $(( $(date +%s) - start )) s (Python $PYFULL, $VENV)"

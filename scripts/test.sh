@@ -29,11 +29,14 @@ fi
 export HYPOTHESIS_PROFILE="${HYPOTHESIS_PROFILE:-$profile}"
 echo "[test] $("$VENV/bin/python" -c 'import sys; print("Python", sys.version.split()[0])') in $VENV," \
      "hypothesis profile $HYPOTHESIS_PROFILE" >&2
-# Byte-compile the project once: every launched rank imports it, and with PYTHONDONTWRITEBYTECODE set (as on this
-# project's machines) Python would compile its ~125 modules from source in each of the suite's ~300 processes
-# (0.3 CPU-s each). Every folder of the import namespace (pyproject.toml's package-dir) and the tests' helpers;
-# compileall writes __pycache__/ (ignored by git) and recompiles only what changed; a file that does not compile is
-# left for pytest to report.
+# The suite's processes write bytecode, whatever PYTHONDONTWRITEBYTECODE says outside: set-up compiled only what the
+# trainer imports (its pip installs skip byte-compiling), so each other module (the test-only libraries, the
+# reference code) is compiled by the first process that imports it rather than from source in each of the suite's
+# ~300 processes. The project itself is byte-compiled here, once, before the ranks that import it start together
+# (every folder of the import namespace, pyproject.toml's package-dir, and the tests' helpers); compileall writes
+# __pycache__/ (ignored by git) and recompiles only what changed; a file that does not compile is left for pytest to
+# report.
+unset PYTHONDONTWRITEBYTECODE
 "$VENV/bin/python" -m compileall -q pksampler samplers datasets train tests > /dev/null 2>&1 || true
 # Two worker processes (pytest-xdist; PKSAMPLER_TEST_WORKERS=N for another count, 0 for none): a launched test
 # spends much of its time starting ranks and waiting on collectives, so a second worker's tests fill those gaps.

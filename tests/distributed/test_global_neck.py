@@ -12,7 +12,8 @@ one process, torchrun -np 2 and horovodrun -np 3 (G = 16 splits 6 + 5 + 5),
 * ``folder_head``: the same with the light ArcFace head the file offers (``head.name=arcface``: its
   weight 0.1, reading the model's neck);
 * ``head_fp64``: ``head.name=arcface`` with the recipe's defaults (its BNNeck
-  on, ``head.weight`` 1), trained in float64 (``trace_runs.computing_in``),
+  on, ``head.weight`` 1), trained in float64 (``trace_runs.computing_in``) on
+  crops of 16 px (float64 convolutions cost four times float32's here),
   where another world size's summation order changes a sum by 10⁻¹⁶, not the
   10⁻⁷ of float32 that this training amplifies (docs/sharded-head.md,
   "Switches, not a linear instability").
@@ -37,7 +38,7 @@ COMMON = ["optim.name=sgd", f"train.max_steps={STEPS}", "train.eval_every=100", 
 
 
 RUNS = {"folder": folder_keys(), "folder_chunked": [*folder_keys(), "train.chunk_size=16"],
-        "folder_head": [*folder_keys(), "head.name=arcface"], "head_fp64": ["head.name=arcface"]}
+        "folder_head": [*folder_keys(), "head.name=arcface"], "head_fp64": ["head.name=arcface", "data.image_size=16"]}
 DTYPES = {"head_fp64": "float64"}  # the others train as the trainer does, in float32
 WORLDS = {1: None, 2: "torchrun", 3: "horovodrun"}
 
