@@ -152,9 +152,12 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check --no-input)
 # Installs skip pip's byte-compilation: torch alone ships ~6,000 Python files and an `import torch` reads about a
-# tenth of them, so compiling every file was two thirds of the set-up's CPU time. What runs is compiled once below
-# (the trainer's and the launchers' imports) or by the first test process that imports it (scripts/test.sh).
+# tenth of them. What runs is compiled when it is first imported, by set-up's own checks and the import of the
+# trainer's libraries at the end, or by the first test process that imports it (scripts/test.sh); so set-up's
+# processes write bytecode whatever PYTHONDONTWRITEBYTECODE says (with it set, each check below compiled what it
+# imports from source and threw it away: 19 s for `horovodrun --check-build` alone).
 INSTALL=("${PIP[@]}" install -q --no-compile)
+unset PYTHONDONTWRITEBYTECODE
 
 "${PIP[@]}" install -q --upgrade "pip>=23.2" "setuptools>=77" wheel
 
@@ -315,11 +318,11 @@ fi
 log "horovodrun --check-build: PyTorch and Gloo available$([[ "$FLAVOUR" == gloo ]] || echo ", NCCL for GPU tensors")"
 
 # --- bytecode of what every rank imports -----------------------------------------
-# The installs above wrote no bytecode. Importing the trainer's and the launchers' libraries once, with bytecode
-# writing on, compiles exactly the modules they read, so a rank started with PYTHONDONTWRITEBYTECODE set (as on
-# some machines) does not compile them from source at every start.
+# The installs above wrote no bytecode. Importing the trainer's and the launchers' libraries once compiles exactly
+# the modules they read, so a rank started with PYTHONDONTWRITEBYTECODE set (as on some machines) does not compile
+# them from source at every start.
 log "compiling the modules the trainer and its launchers import"
-env -u PYTHONDONTWRITEBYTECODE "$PY" -c "$(printf 'import %s\n' torch torch.distributed.run torch.utils.tensorboard \
+"$PY" -c "$(printf 'import %s\n' torch torch.distributed.run torch.utils.tensorboard \
     numpy PIL.Image faiss yaml tqdm matplotlib.pyplot safetensors.torch obstore horovod.torch horovod.runner.launch)" \
     || die "importing the trainer's libraries fails in $VENV"
 
