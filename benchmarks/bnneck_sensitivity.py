@@ -3,7 +3,7 @@
 Run: .venv/bin/python benchmarks/bnneck_sensitivity.py [--eps 1e-7] [--elastic-head | --head-knobs [KNOB ...]]
      [--dtype float64]
 
-Trains the tiny sharded-head config of tests/distributed/test_sharded_head.py
+Trains the tiny sharded-head config of tests/distributed/test_global_neck.py (HEAD_TINY)
 (7 steps of 18 images, ArcFace with sub-centres) in one process four times:
 with and without ``head.bnneck``, each from the seeded weights and from the
 same weights scaled by ``1 + eps * N(0, 1)`` (``eps`` the size of fp32
@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "distributed"))
 from test_elastic import HEAD_SETTINGS  # noqa: E402
 from test_global_neck import COMMON  # noqa: E402
-from test_sharded_head import CONFIG  # noqa: E402
+from test_global_neck import HEAD_TINY as CONFIG  # noqa: E402
 from trace_runs import computing_in  # noqa: E402
 
 from pksampler.train import main as train  # noqa: E402

@@ -38,7 +38,7 @@ def world_trace(world: int, root: Path, sets: list[str], dtype: str) -> np.ndarr
     from test_global_neck import COMMON, _losses, trace_world
 
     dtypes = {} if dtype == "float32" else {"head": dtype}
-    return _losses(trace_world(root, world, {"head": [*COMMON, "head.name=arcface", *sets]}, dtypes)[0] / "head")
+    return _losses(trace_world(root, world, {"head": (None, [*COMMON, "head.name=arcface", *sets])}, dtypes)[0] / "head")
 
 
 def main() -> None:

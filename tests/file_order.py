@@ -16,20 +16,30 @@ LONGEST_FIRST = ("distributed/test_default_command.py", "distributed/test_elasti
                  "distributed/test_platform.py", "distributed/test_torchrun_faults.py")
 
 
+#: the in-process files that take longest (`make test-fast` is made of these), first among the in-process ones: the
+#: docs' blocks (each a process of its own) ended the tier on one worker while the other had finished
+IN_PROCESS_LONGEST_FIRST = ("test_readme.py", "packaging/test_environment.py", "benchmarks/test_gpu_acceptance.py",
+                            "train/engine/test_cached_step.py", "datasets/test_sharded.py",
+                            "train/modeling/test_backbones.py")
+
+
 def _file(item: Any) -> str:
     return item.nodeid.split("::")[0].removeprefix("tests/")
 
 
 def in_file_order(items: Sequence[Any]) -> list[Any]:
     """``items`` (collected tests, ``launcher`` marks set) by file: LONGEST_FIRST, then the other files with a test
-    that launches, then the in-process ones (short, they fill the end). A file is placed whole, so its tests stay
-    together and in their order (a module-scoped fixture is set up once even in one process)."""
+    that launches, then the in-process ones (IN_PROCESS_LONGEST_FIRST first; the short rest fill the end). A file is
+    placed whole, so its tests stay together and in their order (a module-scoped fixture is set up once even in one
+    process)."""
     launching = {_file(item) for item in items if item.get_closest_marker("launcher")}
 
     def place(item: Any) -> tuple[int, int]:
         path = _file(item)
         if path in LONGEST_FIRST:
             return (0, LONGEST_FIRST.index(path))
-        return (1, 0) if path in launching else (2, 0)
+        if path in launching:
+            return (1, 0)
+        return (2, IN_PROCESS_LONGEST_FIRST.index(path)) if path in IN_PROCESS_LONGEST_FIRST else (3, 0)
 
     return sorted(items, key=place)

@@ -1,4 +1,5 @@
-"""The same model at -np 1, 2 and 3: loss traces of configs/folder.yaml's keys and of the head's defaults.
+"""The same model at -np 1, 2 and 3: loss traces of configs/folder.yaml's keys, of the default config and of the
+head's defaults.
 
 One launch per world size trains every config compared (``trace_runs.py``):
 one process, torchrun -np 2 and horovodrun -np 3 (G = 16 splits 6 + 5 + 5),
@@ -11,6 +12,10 @@ one process, torchrun -np 2 and horovodrun -np 3 (G = 16 splits 6 + 5 + 5),
   the neck applied once to the whole gathered batch;
 * ``folder_head``: the same with the light ArcFace head the file offers (``head.name=arcface``: its
   weight 0.1, reading the model's neck);
+* ``default_sgd``: the default config as shipped, 6 steps with SGD (a check of its own: the default data, evaluation
+  and TensorBoard, G = 16 gathered unequally);
+* ``head_tiny_bnneck_False`` / ``_True``: a tiny config with the sharded head (HEAD_TINY), without and with the
+  head's BNNeck;
 * ``head_fp64``: ``head.name=arcface`` with the recipe's defaults (its BNNeck
   on, ``head.weight`` 1), trained in float64 (``trace_runs.computing_in``) on
   crops of 16 px (float64 convolutions cost four times float32's here),
@@ -27,8 +32,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from tiny_runs import folder_keys
-from trainer_runs import trace_launch
+from trainer_runs import checkpoint, max_difference, trace_launch
 
 pytestmark = pytest.mark.horovod
 STEPS = 12
@@ -39,23 +45,50 @@ COMMON = ["optim.name=sgd", f"train.max_steps={STEPS}", "train.eval_every=100", 
 
 RUNS = {"folder": folder_keys(), "folder_chunked": [*folder_keys(), "train.chunk_size=16"],
         "folder_head": [*folder_keys(), "head.name=arcface"], "head_fp64": ["head.name=arcface", "data.image_size=16"]}
+#: runs of the default config as it is (its data, evaluation and TensorBoard), not COMMON's
+AS_SHIPPED = {"default_sgd": ["optim.name=sgd", "train.max_steps=6"]}
+#: a tiny config with the sharded head (30 classes: 30, 15 and 10 rows per rank), one epoch of 7 steps; its run
+#: ``head_tiny_bnneck_<bnneck>`` with and without the head's BNNeck
+HEAD_TINY = {
+    "seed": 3,
+    "data": {"name": "synthetic", "args": {"num_classes": 30, "images_per_class": 6, "image_size": 32},
+             "test_fraction": 0.3, "image_size": 24, "workers": 0},
+    "sampler": {"name": "balanced", "classes_per_step": 6, "samples_per_class": 3},
+    "model": {"width": 8, "depth": [1, 1], "embedding_dim": 16, "norm": "group"},
+    "loss": {"name": "multi_similarity", "args": {}},
+    "head": {"name": "arcface", "scale": 16.0, "margin": 0.2, "negatives": 8, "subcentres": 2},
+    "optim": {"name": "sgd", "lr": 0.05, "base_batch": 18, "warmup_steps": 1, "weight_decay": 0.001},
+    "train": {"epochs": 1, "eval_every": 1, "checkpoint_every": 0, "tensorboard": False},
+}
 DTYPES = {"head_fp64": "float64"}  # the others train as the trainer does, in float32
 WORLDS = {1: None, 2: "torchrun", 3: "horovodrun"}
 
 
-def trace_world(root: Path, world: int, runs: dict[str, list[str]], dtypes: dict[str, str]) -> tuple[Path, str]:
-    """Train ``runs`` (name: ``--set`` overrides of the default config; ``dtypes``: a run's dtype when not float32)
-    at ``world`` ranks, each in ``root/<world>/<name>``; that folder and the launch's output."""
-    result = trace_launch(root, str(world), {name: (None, sets) for name, sets in runs.items()},
-                          launcher=WORLDS[world], np=world, timeout=600, dtypes=dtypes)
+def trace_world(root: Path, world: int, runs: dict[str, tuple[Path | None, list[str]]],
+                dtypes: dict[str, str]) -> tuple[Path, str]:
+    """Train ``runs`` (name: a config file, None for the default config, and ``--set`` overrides; ``dtypes``: a
+    run's dtype when not float32) at ``world`` ranks, each in ``root/<world>/<name>``; that folder and the launch's
+    output."""
+    result = trace_launch(root, str(world), runs, launcher=WORLDS[world], np=world, timeout=600, dtypes=dtypes)
     assert result.returncode == 0, result.stdout[-4000:]
     return root / str(world), result.stdout
+
+
+def head_tiny_runs(folder: Path) -> dict[str, tuple[Path, list[str]]]:
+    """HEAD_TINY with and without the head's BNNeck, each a config file in ``folder``."""
+    runs = {}
+    for bnneck in (False, True):
+        config = folder / f"head_tiny_bnneck_{bnneck}.yaml"
+        config.write_text(yaml.safe_dump({**HEAD_TINY, "head": {**HEAD_TINY["head"], "bnneck": bnneck}}))
+        runs[f"head_tiny_bnneck_{bnneck}"] = (config, [])
+    return runs
 
 
 @pytest.fixture(scope="module")
 def traces(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("traces")
-    runs = {name: [*COMMON, *sets] for name, sets in RUNS.items()}
+    runs = {**{name: (None, [*COMMON, *sets]) for name, sets in RUNS.items()},
+            **{name: (None, sets) for name, sets in AS_SHIPPED.items()}, **head_tiny_runs(root)}
     return {world: trace_world(root, world, runs, DTYPES) for world in WORLDS}
 
 
@@ -118,3 +151,41 @@ def test_the_head_with_its_defaults_trains_the_same_model_at_one_two_and_three_r
         drift = _relative(_losses(traces[world][0] / "head_fp64"), reference)
         print(f"head in float64 -np {world}: largest relative drift {drift.max():.2e}")
         assert drift.max() < 1e-12, (world, drift)
+
+
+def test_the_default_config_trains_the_same_model_at_one_two_and_three_ranks(traces):
+    # G = 16 does not split evenly over 3 ranks: 6, 5 and 5 classes of K = 4 images, gathered unequally.
+    # SGD: with the default AdamW the ranks' ~1e-8 reduction-order noise becomes lr-sized steps on coordinates whose
+    # gradient is float noise (1.5e-3 apart after 6 steps); with SGD the runs end 6e-8 apart.
+    reference = _losses(traces[1][0] / "default_sgd")
+    assert reference.size == 6 and len(set(reference.tolist())) == 6
+    model = checkpoint(traces[1][0] / "default_sgd")["model"]
+    for world in (2, 3):
+        assert f"world={world}" in traces[world][1]
+        assert np.abs(_losses(traces[world][0] / "default_sgd") - reference).max() < 1e-5, world
+        difference = max_difference(checkpoint(traces[world][0] / "default_sgd")["model"], model)
+        assert difference < 1e-5, (world, difference)
+    assert "batch/rank=24 global=64" in traces[3][1]
+
+
+@pytest.mark.parametrize("bnneck", [False, True])
+def test_the_sharded_head_logs_the_same_loss_trace_at_one_two_and_three_ranks(traces, bnneck):
+    """The tiny head config: its rows split 30, 15 and 10 per rank; the neck's scale is trained by the dense
+    optimizer (Horovod averages it, torchrun's DDP does not see it), so both launchers check its gradient's scale."""
+    name = f"head_tiny_bnneck_{bnneck}"
+    assert "head=arcface classes=30 rows/rank=30" in traces[1][1]
+    for world in (2, 3):
+        assert f"head=arcface classes=30 rows/rank={-(-30 // world)}" in traces[world][1], traces[world][1][-3000:]
+        # best.pt gathers the head's rows from every rank: all ranks build it when rank 0 finds a new best
+        assert (traces[world][0] / name / "checkpoints" / "best.pt").is_file()
+    reference = _losses(traces[1][0] / name)
+    assert reference.size == 7 and np.ptp(reference) > 1e-3
+    # with the neck, the first 3 steps agree within 1e-5 (a wrong scale of the neck's gradient is off by 1e-3 at
+    # step 2); later steps drift apart in float32, 3.7e-3 by step 6 (the rounding amplified: head_fp64 above
+    # agrees to 1e-12 in float64)
+    steps = 3 if bnneck else reference.size
+    later = 1e-2 if bnneck else 1e-5
+    for world in (2, 3):
+        trace = _losses(traces[world][0] / name)
+        assert np.allclose(trace[:steps], reference[:steps], rtol=1e-5, atol=0), (world, trace, reference)
+        assert np.allclose(trace, reference, rtol=later, atol=0), (world, trace, reference)

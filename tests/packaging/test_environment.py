@@ -165,11 +165,11 @@ def test_a_cost_record_that_cannot_be_written_stops_the_session_in_one_line_befo
     assert "passed" not in result.stdout and not target.parent.exists()
 
 
-def test_the_files_run_longest_first_then_launching_then_in_process_each_file_whole_and_in_order():
+def test_the_files_run_longest_first_then_launching_then_in_process_longest_first_each_file_whole_and_in_order():
     """A file with one launched test among in-process ones (tests/packaging/test_environment.py,
     test_clip_grad_norm.py, test_block_cache_safety.py, catalogue/test_sources.py) was cut in two, its launched
     tests run apart from the rest: in one process, a module fixture they share was set up twice."""
-    from file_order import LONGEST_FIRST, in_file_order
+    from file_order import IN_PROCESS_LONGEST_FIRST, LONGEST_FIRST, in_file_order
 
     class Item:
         def __init__(self, nodeid: str, launches: bool) -> None:
@@ -181,12 +181,13 @@ def test_the_files_run_longest_first_then_launching_then_in_process_each_file_wh
     collected = [Item("tests/a/test_mixed.py::in_process_1", False), Item("tests/a/test_mixed.py::launched", True),
                  Item("tests/a/test_mixed.py::in_process_2", False), Item("tests/b/test_plain.py::one", False),
                  Item(f"tests/{LONGEST_FIRST[1]}::x", True), Item("tests/c/test_launched.py::y", True),
-                 Item(f"tests/{LONGEST_FIRST[0]}::z", True)]
+                 Item(f"tests/{LONGEST_FIRST[0]}::z", True), Item(f"tests/{IN_PROCESS_LONGEST_FIRST[0]}::w", False)]
     assert [item.nodeid.rsplit("/", 1)[1] for item in in_file_order(collected)] == [
         f"{LONGEST_FIRST[0].rsplit('/', 1)[1]}::z", f"{LONGEST_FIRST[1].rsplit('/', 1)[1]}::x",
         "test_mixed.py::in_process_1", "test_mixed.py::launched", "test_mixed.py::in_process_2",
-        "test_launched.py::y", "test_plain.py::one"]
-    assert all((ROOT / "tests" / path).is_file() for path in LONGEST_FIRST)  # a renamed file would drop out
+        "test_launched.py::y", f"{IN_PROCESS_LONGEST_FIRST[0].rsplit('/', 1)[-1]}::w", "test_plain.py::one"]
+    # a renamed file would drop out
+    assert all((ROOT / "tests" / path).is_file() for path in (*LONGEST_FIRST, *IN_PROCESS_LONGEST_FIRST))
 
 
 @pytest.mark.parametrize("workers", ["junk", "-1", "2x", " "])
