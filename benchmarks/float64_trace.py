@@ -2,9 +2,10 @@
 
 Run: .venv/bin/python benchmarks/float64_trace.py [--set KEY=VALUE ...] [--dtype float64|float32]
 
-Trains the ``head_fp64`` run of tests/distributed/test_global_neck.py
-(``head.name=arcface`` with the recipe's defaults, 12 SGD steps on the demo
-data, plus any ``--set``) in one process, under torchrun -np 2 and under
+Trains the ``head_fp64`` run of tests/distributed/test_global_neck.py on
+the 32 px crops the figures in the docs were measured on (the test trains
+16 px crops: ``--set data.image_size=16`` for its run): ``head.name=arcface``
+with the recipe's defaults, 12 SGD steps on the demo data, plus any ``--set``, in one process, under torchrun -np 2 and under
 horovodrun -np 3, every tensor in ``--dtype``, and prints each world size's
 largest relative difference from one process's loss trace. In float64 the
 rounding of another summation order is about 10⁻¹⁶ instead of 10⁻⁷: a drift

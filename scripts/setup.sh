@@ -318,11 +318,12 @@ fi
 log "horovodrun --check-build: PyTorch and Gloo available$([[ "$FLAVOUR" == gloo ]] || echo ", NCCL for GPU tensors")"
 
 # --- bytecode of what every rank imports -----------------------------------------
-# The installs above wrote no bytecode. Importing the trainer's and the launchers' libraries once compiles exactly
-# the modules they read, so a rank started with PYTHONDONTWRITEBYTECODE set (as on some machines) does not compile
-# them from source at every start.
+# The installs above wrote no bytecode. Importing the trainer's and the launchers' libraries once compiles the
+# modules they read, so a rank started with PYTHONDONTWRITEBYTECODE set (as on some machines) does not compile
+# them from source at every start. torch._dynamo (with sympy, ~800 modules) is what a torch optimizer imports at
+# its construction and first step.
 log "compiling the modules the trainer and its launchers import"
-"$PY" -c "$(printf 'import %s\n' torch torch.distributed.run torch.utils.tensorboard \
+"$PY" -c "$(printf 'import %s\n' torch torch._dynamo torch.distributed.run torch.utils.tensorboard \
     numpy PIL.Image faiss yaml tqdm matplotlib.pyplot safetensors.torch obstore horovod.torch horovod.runner.launch)" \
     || die "importing the trainer's libraries fails in $VENV"
 

@@ -37,9 +37,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("horovod") or "seaweed" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.launcher)
-    # Then order the files (tests/file_order.py): scripts/test.sh keeps this order in the xdist workers
-    # (--no-loadscope-reorder).
-    items[:] = in_file_order(items)
+
+
+class _FileOrder:
+    """Orders the files (tests/file_order.py) once -m has deselected: a file whose launched tests are left out
+    (``make test-fast``) is placed as the in-process file it then is. scripts/test.sh keeps this order in the xdist
+    workers (--no-loadscope-reorder)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        items[:] = in_file_order(items)
+
 
 
 @pytest.fixture(autouse=True)
@@ -128,8 +136,10 @@ def _own_cpu() -> float:
 
 
 def pytest_configure(config):
-    """``PKSAMPLER_TEST_COST`` must name a file this process can append to: checked once, before any test runs
-    (a usage error in one line, not an internal error that ends the session after its first test)."""
+    """Registers the file order (:class:`_FileOrder`). ``PKSAMPLER_TEST_COST`` must name a file this process can
+    append to: checked once, before any test runs (a usage error in one line, not an internal error that ends the
+    session after its first test)."""
+    config.pluginmanager.register(_FileOrder(), "pksampler-file-order")
     target = os.environ.get("PKSAMPLER_TEST_COST")
     if target:
         try:

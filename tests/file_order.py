@@ -10,14 +10,15 @@ from typing import Any, Sequence
 #: the files that take longest (wall time, measured with PKSAMPLER_TEST_COST), run first, longest first: the two
 #: xdist workers then end on short files, not one worker on a long launch while the other waits (pytest-xdist's
 #: default order, most tests first, started the 16-rank command last)
-LONGEST_FIRST = ("distributed/test_default_command.py", "distributed/test_elastic.py", "distributed/test_trainer.py",
-                 "distributed/test_global_neck.py", "distributed/test_nodes.py", "test_catalogue_walkthrough.py",
+LONGEST_FIRST = ("distributed/test_default_command.py", "distributed/test_elastic.py",
+                 "distributed/test_global_neck.py", "distributed/test_trainer.py", "distributed/test_nodes.py", "test_catalogue_walkthrough.py",
                  "test_catalogue_growth_walkthrough.py", "distributed/test_trainer_errors.py",
                  "distributed/test_platform.py", "distributed/test_torchrun_faults.py")
 
 
-#: the in-process files that take longest (`make test-fast` is made of these), first among the in-process ones: the
-#: docs' blocks (each a process of its own) ended the tier on one worker while the other had finished
+#: the in-process files that take longest, first among the in-process ones (`make test-fast` is made of these; a
+#: file whose launched tests are deselected counts as in-process): the docs' blocks, each a process of its own, ended
+#: the tier on one worker while the other had finished
 IN_PROCESS_LONGEST_FIRST = ("test_readme.py", "packaging/test_environment.py", "benchmarks/test_gpu_acceptance.py",
                             "train/engine/test_cached_step.py", "datasets/test_sharded.py",
                             "train/modeling/test_backbones.py")

@@ -72,3 +72,12 @@ def trace_launch(folder: Path, name: str, runs: dict[str, tuple[Path | None, lis
         return run_launcher([sys.executable, str(TRACE_RUNS), str(spec)], kind="python", timeout=timeout,
                             env=environment())
     return launch(launcher, TRACE_RUNS, str(spec), np=np, timeout=timeout)
+
+
+def run_output(output: str, run: str) -> str:
+    """The lines of ``run`` in the output of a :func:`trace_launch` (from rank 0's marker before it to the next)."""
+    marker = "[trace run] "  # trace_runs.RUN_MARKER (that script imports the trainer; this module does not)
+    parts = output.split(marker)
+    found = [part for part in parts[1:] if part.split("\n", 1)[0].strip() == run]
+    assert len(found) == 1, f"no single {marker}{run} in the launch's output:\n{output[-3000:]}"
+    return found[0]

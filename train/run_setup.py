@@ -334,7 +334,8 @@ def _writers(config: RunConfig, steps_per_epoch: int, epochs: int, log: EventLog
     """The run's event writers: the progress line, metrics.jsonl, TensorBoard (when wanted)."""
     workspace = Path(config.workspace)
     shown = mode.main_writers([lambda: ProgressWriter(Progress(steps_per_epoch, epochs,
-                                                               every_seconds=config.train.progress_every_seconds))])
+                                                               every_seconds=config.train.progress_every_seconds,
+                                                               stop_at=config.train.max_steps))])
     metrics = mode.metrics_writer(log)
     board = mode.main_writers([lambda: TensorBoardEventWriter(TensorBoardWriter(workspace))]
                               if _tensorboard_wanted(config.train.tensorboard) else [])

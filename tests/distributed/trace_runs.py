@@ -28,6 +28,10 @@ from pksampler.train.runtime import loader
 from pksampler.train.runtime.distributed import make_backend
 
 
+#: printed by rank 0 before each run, with the run's name
+RUN_MARKER = "[trace run] "
+
+
 @contextmanager
 def computing_in(dtype: str | None) -> Iterator[None]:
     """Train in ``dtype`` inside the block (None: as the trainer does, in float32).
@@ -74,6 +78,8 @@ def run_all(runs_file: Path) -> None:
                            collective_timeout=first.train.collective_timeout)
     try:
         for name, config in configs.items():
+            if backend.rank == 0:  # where each run's lines start in the launch's output (trainer_runs.run_output)
+                print(f"{RUN_MARKER}{name}", flush=True)
             with computing_in(spec["runs"][name].get("dtype")):
                 train(config, backend, mode=choose_run_mode(backend, commit_every=config.train.commit_every))
         backend.barrier()

@@ -190,6 +190,18 @@ def test_the_files_run_longest_first_then_launching_then_in_process_longest_firs
     assert all((ROOT / "tests" / path).is_file() for path in (*LONGEST_FIRST, *IN_PROCESS_LONGEST_FIRST))
 
 
+def test_a_file_whose_launched_tests_are_deselected_is_ordered_as_in_process():
+    """``make test-fast`` (-m "not launcher"): the order is taken after -m deselects, so test_environment.py, whose
+    one launched test is left out, runs after test_readme.py as IN_PROCESS_LONGEST_FIRST says, not before it among
+    the launching files."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "--collect-only", "-q", "-m",
+                             "not launcher", "tests/packaging/test_environment.py", "tests/test_readme.py"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    files = list(dict.fromkeys(line.split("::")[0] for line in result.stdout.splitlines() if "::" in line))
+    assert files == ["tests/test_readme.py", "tests/packaging/test_environment.py"], files
+
+
 @pytest.mark.parametrize("workers", ["junk", "-1", "2x", " "])
 def test_test_sh_refuses_a_worker_count_that_is_not_a_whole_number_in_one_line(workers):
     result = _test_sh("tests/core/test_hashing.py", PKSAMPLER_TEST_WORKERS=workers)

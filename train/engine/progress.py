@@ -71,6 +71,8 @@ class Progress:
         stream: where to write; ``None`` is ``sys.stdout`` for plain lines (a
             log) and ``sys.stderr`` for the bar (as tqdm does).
         clock: seconds as a float, monotonic; tests pass a fake one.
+        stop_at: the global step the run stops at when that comes before the last epoch's end (``train.max_steps``):
+            the eta counts to it, not to the schedule's end; ``None``: the last step of the last epoch.
     """
 
     def __init__(
@@ -84,9 +86,14 @@ class Progress:
         every_steps: int | None = None,
         stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
+        stop_at: int | None = None,
     ) -> None:
         self.steps_per_epoch = _positive_int("steps_per_epoch", steps_per_epoch)
         self.epochs = _positive_int("epochs", epochs)
+        if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0):
+            raise ValueError(f"Progress(stop_at=) must be an int >= 0 or None, got {stop_at!r}")
+        self.last_position = self.epochs * self.steps_per_epoch if stop_at is None else min(
+            stop_at, self.epochs * self.steps_per_epoch)
         if every_seconds is not None and (isinstance(every_seconds, bool) or not every_seconds > 0):
             raise ValueError(f"Progress(every_seconds=) must be a positive number or None, got {every_seconds!r}")
         self.every_seconds = every_seconds
@@ -191,14 +198,14 @@ class Progress:
         return " ".join(parts)
 
     def eta_seconds(self, now: float) -> float:
-        """Seconds until the last step of the last epoch, at the rate measured so far."""
+        """Seconds until the run's last step (the last epoch's, or ``stop_at``), at the rate measured so far."""
         if self._run_start is None:
             return float("nan")
         start_time, start_position = self._run_start
         done = self._position() - start_position
         if done <= 0 or now <= start_time:
             return float("nan")
-        remaining = self.epochs * self.steps_per_epoch - self._position()
+        remaining = self.last_position - self._position()
         return max(0, remaining) * (now - start_time) / done
 
     def _position(self) -> int:

@@ -45,6 +45,22 @@ def test_plain_lines_every_n_steps_with_exact_format_and_eta():
     assert lines[-1].endswith("eta 0:00:00")
 
 
+def test_the_eta_counts_to_the_step_the_run_stops_at():
+    # train.max_steps=12 in a schedule of 2 epochs of 20: the eta is to step 12, not to step 40
+    clock, out = FakeClock(), io.StringIO()
+    progress = Progress(20, 2, interactive=False, every_steps=5, every_seconds=None, stream=out, clock=clock,
+                        stop_at=12)
+    progress.start_epoch(0)
+    for step in range(1, 13):
+        clock.now += 1.0
+        progress.update(step, loss=1.0)
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "[pksampler] epoch 1/2 step 5/20 loss 1.0000 eta 0:00:07"
+    assert lines[-1] == "[pksampler] epoch 1/2 step 12/20 loss 1.0000 eta 0:00:00"
+    assert Progress(20, 2, stop_at=100).last_position == 40  # past the schedule's end: the schedule's end
+
+
 def test_plain_lines_every_n_seconds_and_at_the_last_step():
     clock, out = FakeClock(), io.StringIO()
     progress = Progress(7, 1, interactive=False, every_steps=100, every_seconds=30, stream=out, clock=clock)
@@ -138,6 +154,7 @@ def test_format_eta():
         ({"epochs": True}, r"Progress\(epochs=\) must be a positive int, got True"),
         ({"every_steps": 0}, r"Progress\(every_steps=\) must be a positive int or None, got 0"),
         ({"every_seconds": -1}, r"Progress\(every_seconds=\) must be a positive number or None, got -1"),
+        ({"stop_at": -1}, r"Progress\(stop_at=\) must be an int >= 0 or None, got -1"),
     ],
 )
 def test_bad_arguments(kwargs, match):
