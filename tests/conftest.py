@@ -49,7 +49,6 @@ class _FileOrder:
         items[:] = in_file_order(items)
 
 
-
 @pytest.fixture(autouse=True)
 def _end_the_tests_launches():
     """End every launch a test started and left running (a failed assertion between start and finish): the next

@@ -11,9 +11,10 @@ from typing import Any, Sequence
 #: xdist workers then end on short files, not one worker on a long launch while the other waits (pytest-xdist's
 #: default order, most tests first, started the 16-rank command last)
 LONGEST_FIRST = ("distributed/test_default_command.py", "distributed/test_elastic.py",
-                 "distributed/test_global_neck.py", "distributed/test_trainer.py", "distributed/test_nodes.py", "test_catalogue_walkthrough.py",
-                 "test_catalogue_growth_walkthrough.py", "distributed/test_trainer_errors.py",
-                 "distributed/test_platform.py", "distributed/test_torchrun_faults.py")
+                 "distributed/test_global_neck.py", "distributed/test_trainer.py", "distributed/test_nodes.py",
+                 "test_catalogue_walkthrough.py", "test_catalogue_growth_walkthrough.py",
+                 "distributed/test_trainer_errors.py", "distributed/test_platform.py",
+                 "distributed/test_torchrun_faults.py")
 
 
 #: the in-process files that take longest, first among the in-process ones (`make test-fast` is made of these; a

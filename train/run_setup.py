@@ -330,12 +330,22 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     return [*recorders, *mode.writer_hooks(hooks, _writers(config, parts.sampler.num_batches, parts.epochs, log, mode))]
 
 
+def stop_batch(max_steps: int | None, batches_per_epoch: int, passes: int) -> int | None:
+    """The batch position (epochs × batches + batch) at which ``train.max_steps`` optimizer steps are done, each
+    step ``passes`` batches and an epoch's last step perhaps fewer; None: no such stop."""
+    if max_steps is None:
+        return None
+    epochs, steps = divmod(max_steps, -(-batches_per_epoch // passes))
+    return epochs * batches_per_epoch + min(steps * passes, batches_per_epoch)
+
+
 def _writers(config: RunConfig, steps_per_epoch: int, epochs: int, log: EventLog, mode: RunMode) -> list[EventWriter]:
-    """The run's event writers: the progress line, metrics.jsonl, TensorBoard (when wanted)."""
+    """The run's event writers: the progress line (in batches, its eta to ``train.max_steps`` when that comes
+    first), metrics.jsonl, TensorBoard (when wanted)."""
     workspace = Path(config.workspace)
-    shown = mode.main_writers([lambda: ProgressWriter(Progress(steps_per_epoch, epochs,
-                                                               every_seconds=config.train.progress_every_seconds,
-                                                               stop_at=config.train.max_steps))])
+    stop = stop_batch(config.train.max_steps, steps_per_epoch, config.train.backward_passes_per_step)
+    shown = mode.main_writers([lambda: ProgressWriter(Progress(steps_per_epoch, epochs, stop_at=stop,
+                                                               every_seconds=config.train.progress_every_seconds))])
     metrics = mode.metrics_writer(log)
     board = mode.main_writers([lambda: TensorBoardEventWriter(TensorBoardWriter(workspace))]
                               if _tensorboard_wanted(config.train.tensorboard) else [])

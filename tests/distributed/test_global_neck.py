@@ -108,7 +108,8 @@ def test_folder_keys_train_the_same_model_at_one_two_and_three_ranks(traces, nam
     reference = _losses(traces[1][0] / name)
     assert reference.size == STEPS and np.ptp(reference) > 1e-2  # the loss moves
     for world in (2, 3):
-        assert f"world={world}" in traces[world][1] and "global=64" in traces[world][1]
+        output = run_output(traces[world][1], name)
+        assert f"world={world}" in output and "global=64" in output
         drift = _relative(_losses(traces[world][0] / name), reference)
         print(f"{name} -np {world}: largest relative drift {drift.max():.2e}")
         assert drift.max() < 5e-4, (name, world, drift)
@@ -149,7 +150,7 @@ def test_the_head_with_its_defaults_trains_the_same_model_at_one_two_and_three_r
     saved = torch.load(traces[1][0] / "head_fp64" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert {tensor.dtype for tensor in saved["model"].values() if tensor.is_floating_point()} == {torch.float64}
     for world in (2, 3):
-        assert "head=arcface" in traces[world][1]
+        assert "head=arcface" in run_output(traces[world][1], "head_fp64")
         drift = _relative(_losses(traces[world][0] / "head_fp64"), reference)
         print(f"head in float64 -np {world}: largest relative drift {drift.max():.2e}")
         assert drift.max() < 1e-12, (world, drift)
@@ -161,7 +162,8 @@ def test_the_default_config_trains_the_same_model_at_one_two_and_three_ranks(tra
     # gradient is float noise (1.5e-3 apart after 6 steps); with SGD the runs end 6e-8 apart.
     reference = _losses(traces[1][0] / "default_sgd")
     assert reference.size == 6 and len(set(reference.tolist())) == 6
-    assert "world=1" in run_output(traces[1][1], "default_sgd") and "global=64" in run_output(traces[1][1], "default_sgd")
+    one = run_output(traces[1][1], "default_sgd")
+    assert "world=1" in one and "global=64" in one
     model = checkpoint(traces[1][0] / "default_sgd")["model"]
     for world, per_rank in ((2, 32), (3, 24)):  # the largest rank's share: 8 classes of 4; 6 of 4
         assert f"world={world}" in (output := run_output(traces[world][1], "default_sgd"))

@@ -79,7 +79,8 @@ def run_all(runs_file: Path) -> None:
     try:
         for name, config in configs.items():
             if backend.rank == 0:  # where each run's lines start in the launch's output (trainer_runs.run_output)
-                print(f"{RUN_MARKER}{name}", flush=True)
+                sys.stdout.write(f"{RUN_MARKER}{name}\n")  # one write: another rank's line cannot split it
+                sys.stdout.flush()
             with computing_in(spec["runs"][name].get("dtype")):
                 train(config, backend, mode=choose_run_mode(backend, commit_every=config.train.commit_every))
         backend.barrier()

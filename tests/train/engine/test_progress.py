@@ -61,6 +61,17 @@ def test_the_eta_counts_to_the_step_the_run_stops_at():
     assert Progress(20, 2, stop_at=100).last_position == 40  # past the schedule's end: the schedule's end
 
 
+@pytest.mark.parametrize(("max_steps", "batches", "passes", "expected"),
+                         [(None, 20, 1, None), (12, 20, 1, 12), (0, 20, 1, 0), (10, 20, 2, 20), (11, 20, 2, 22),
+                          (4, 7, 2, 7), (5, 7, 2, 9)])
+def test_max_steps_is_the_batch_the_progress_line_counts_to(max_steps, batches, passes, expected):
+    # train.backward_passes_per_step: an optimizer step is `passes` batches, an epoch's last step perhaps fewer
+    # (7 batches in 2-batch steps: 4 steps, the last of one batch)
+    from pksampler.train.run_setup import stop_batch
+
+    assert stop_batch(max_steps, batches, passes) == expected
+
+
 def test_plain_lines_every_n_seconds_and_at_the_last_step():
     clock, out = FakeClock(), io.StringIO()
     progress = Progress(7, 1, interactive=False, every_steps=100, every_seconds=30, stream=out, clock=clock)
