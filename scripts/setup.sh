@@ -152,10 +152,10 @@ fi
 PY="$VENV/bin/python"
 PIP=("$PY" -m pip --disable-pip-version-check --no-input)
 # Installs skip pip's byte-compilation: the environment holds ~14,700 Python files (torch 2,285, the dev extras the
-# rest) and a training rank imports ~2,000 modules. What runs is compiled when it is first imported, by set-up's own checks and the import of the
-# trainer's libraries at the end, or by the first test process that imports it (scripts/test.sh); so set-up's
-# processes write bytecode whatever PYTHONDONTWRITEBYTECODE says (with it set, each check below compiled what it
-# imports from source and threw it away: 19 s for `horovodrun --check-build` alone).
+# rest) and a training rank imports ~2,000 modules. What runs is compiled when it is first imported, by set-up's
+# own checks and the import of the trainer's libraries at the end, or by the first test process that imports it
+# (scripts/test.sh); so set-up's processes write bytecode whatever PYTHONDONTWRITEBYTECODE says (with it set, each
+# check below compiled what it imports from source and threw it away: 19 s for `horovodrun --check-build` alone).
 INSTALL=("${PIP[@]}" install -q --no-compile)
 unset PYTHONDONTWRITEBYTECODE
 
