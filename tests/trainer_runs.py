@@ -16,6 +16,8 @@ from launch import ROOT, environment, launch, run_launcher
 SCRIPT = ROOT / "train" / "retrieval.py"
 HOOKED = ROOT / "tests" / "distributed" / "train_with_test_hooks.py"
 TRACE_RUNS = ROOT / "tests" / "distributed" / "trace_runs.py"
+#: what rank 0 of a trace launch prints before each run, with the run's name (passed in the launch's spec)
+RUN_MARKER = "[trace run] "
 
 TINY = {
     "seed": 3,
@@ -65,7 +67,7 @@ def trace_launch(folder: Path, name: str, runs: dict[str, tuple[Path | None, lis
     process; ``dtypes``: a run's dtype when not the trainer's float32 (trace_runs.py). Output merged. A launch
     costs seconds of start-up per rank: the runs a comparison reads share one."""
     spec = folder / f"{name}.json"
-    spec.write_text(json.dumps({"root": str(folder / name), "runs": {
+    spec.write_text(json.dumps({"root": str(folder / name), "marker": RUN_MARKER, "runs": {
         run: {"config": None if config is None else str(config), "set": list(sets), "dtype": (dtypes or {}).get(run)}
         for run, (config, sets) in runs.items()}}))
     if launcher is None:
@@ -76,8 +78,7 @@ def trace_launch(folder: Path, name: str, runs: dict[str, tuple[Path | None, lis
 
 def run_output(output: str, run: str) -> str:
     """The lines of ``run`` in the output of a :func:`trace_launch` (from rank 0's marker before it to the next)."""
-    marker = "[trace run] "  # trace_runs.RUN_MARKER (that script imports the trainer; this module does not)
-    parts = output.split(marker)
+    parts = output.split(RUN_MARKER)
     found = [part for part in parts[1:] if part.split("\n", 1)[0].strip() == run]
-    assert len(found) == 1, f"no single {marker}{run} in the launch's output:\n{output[-3000:]}"
+    assert len(found) == 1, f"no single {RUN_MARKER}{run} in the launch's output:\n{output[-3000:]}"
     return found[0]

@@ -193,7 +193,7 @@ def _step_parts(config: RunConfig, backend: Backend, mode: RunMode, data: DataPa
                                           backward_passes_per_step=config.train.backward_passes_per_step,
                                           replicated=neck.names if neck is not None else ())
     passes = config.train.backward_passes_per_step
-    steps_per_epoch = -(-sampler.num_batches // passes)
+    steps_per_epoch = optimizer_steps(sampler.num_batches, passes)
     epochs = run_epochs(config.train, steps_per_epoch)
     total_steps = epochs * steps_per_epoch
     return StepParts(
@@ -330,12 +330,17 @@ def _hooks(config: RunConfig, trainer: Trainer, data: DataParts, log: EventLog, 
     return [*recorders, *mode.writer_hooks(hooks, _writers(config, parts.sampler.num_batches, parts.epochs, log, mode))]
 
 
+def optimizer_steps(batches: int, passes: int) -> int:
+    """Optimizer steps in an epoch of ``batches``, each step ``passes`` batches (the last perhaps fewer)."""
+    return -(-batches // passes)
+
+
 def stop_batch(max_steps: int | None, batches_per_epoch: int, passes: int) -> int | None:
     """The batch position (epochs × batches + batch) at which ``train.max_steps`` optimizer steps are done, each
     step ``passes`` batches and an epoch's last step perhaps fewer; None: no such stop."""
     if max_steps is None:
         return None
-    epochs, steps = divmod(max_steps, -(-batches_per_epoch // passes))
+    epochs, steps = divmod(max_steps, optimizer_steps(batches_per_epoch, passes))
     return epochs * batches_per_epoch + min(steps * passes, batches_per_epoch)
 
 

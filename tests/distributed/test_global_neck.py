@@ -119,8 +119,7 @@ def test_folder_keys_train_the_same_model_at_one_two_and_three_ranks(traces, nam
 
 def test_the_neck_statistics_are_the_global_batch_ones_and_the_config_is_invariant(traces):
     def neck(world: int) -> dict:
-        state = torch.load(traces[world][0] / "folder" / "checkpoints" / "last.pt", map_location="cpu",
-                           weights_only=True)["model"]
+        state = checkpoint(traces[world][0] / "folder")["model"]
         return {k: v for k, v in state.items() if k.startswith("neck.")}
 
     one = neck(1)
@@ -147,7 +146,7 @@ def test_the_head_with_its_defaults_trains_the_same_model_at_one_two_and_three_r
     # nothing grows (benchmarks/float64_trace.py --dtype float32, benchmarks/bnneck_sensitivity.py).
     reference = _losses(traces[1][0] / "head_fp64")
     assert reference.size == STEPS and np.ptp(reference) > 1e-2
-    saved = torch.load(traces[1][0] / "head_fp64" / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    saved = checkpoint(traces[1][0] / "head_fp64")
     assert {tensor.dtype for tensor in saved["model"].values() if tensor.is_floating_point()} == {torch.float64}
     for world in (2, 3):
         assert "head=arcface" in run_output(traces[world][1], "head_fp64")

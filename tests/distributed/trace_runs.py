@@ -2,7 +2,8 @@
 
 ``python trace_runs.py RUNS.json``: RUNS.json maps a run's name to its config
 (a YAML path or null for the default), ``--set`` overrides and optionally a
-``dtype`` (``"float64"``: see :func:`computing_in`); each rank trains them in
+``dtype`` (``"float64"``: see :func:`computing_in`), and a ``marker`` rank 0
+prints with each run's name before it; each rank trains them in
 order, each in ``<workspace root>/<name>``, so one launch per world size
 serves every config a trace check compares.
 """
@@ -26,10 +27,6 @@ from pksampler.train.losses.headed import HeadedLoss
 from pksampler.train.run_setup import train
 from pksampler.train.runtime import loader
 from pksampler.train.runtime.distributed import make_backend
-
-
-#: printed by rank 0 before each run, with the run's name
-RUN_MARKER = "[trace run] "
 
 
 @contextmanager
@@ -79,7 +76,7 @@ def run_all(runs_file: Path) -> None:
     try:
         for name, config in configs.items():
             if backend.rank == 0:  # where each run's lines start in the launch's output (trainer_runs.run_output)
-                sys.stdout.write(f"{RUN_MARKER}{name}\n")  # one write: another rank's line cannot split it
+                sys.stdout.write(f"{spec['marker']}{name}\n")  # one write: another rank's line cannot split it
                 sys.stdout.flush()
             with computing_in(spec["runs"][name].get("dtype")):
                 train(config, backend, mode=choose_run_mode(backend, commit_every=config.train.commit_every))

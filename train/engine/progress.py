@@ -92,8 +92,8 @@ class Progress:
         self.epochs = _positive_int("epochs", epochs)
         if stop_at is not None and (isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0):
             raise ValueError(f"Progress(stop_at=) must be an int >= 0 or None, got {stop_at!r}")
-        self.last_position = self.epochs * self.steps_per_epoch if stop_at is None else min(
-            stop_at, self.epochs * self.steps_per_epoch)
+        scheduled = self.epochs * self.steps_per_epoch
+        self.last_position = scheduled if stop_at is None else min(stop_at, scheduled)
         if every_seconds is not None and (isinstance(every_seconds, bool) or not every_seconds > 0):
             raise ValueError(f"Progress(every_seconds=) must be a positive number or None, got {every_seconds!r}")
         self.every_seconds = every_seconds
