@@ -513,7 +513,8 @@ def main(config: RunConfig, extra_hooks: Iterable[HookBase] = (), *,
     if config.train.deterministic:
         make_deterministic()  # before hvd.init, which reads the fusion settings once
     backend = make_backend(config.distributed.backend, device=config.train.device, precision=config.train.precision,
-                           collective_timeout=config.train.collective_timeout)
+                           collective_timeout=config.train.collective_timeout,
+                           horovod_wait=config.distributed.horovod_wait)
     try:
         mode = choose_run_mode(backend, commit_every=config.train.commit_every)
         try:

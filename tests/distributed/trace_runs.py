@@ -72,7 +72,8 @@ def run_all(runs_file: Path) -> None:
                for name, run in spec["runs"].items()}
     first = next(iter(configs.values()))
     backend = make_backend(first.distributed.backend, device=first.train.device, precision=first.train.precision,
-                           collective_timeout=first.train.collective_timeout)
+                           collective_timeout=first.train.collective_timeout,
+                           horovod_wait=first.distributed.horovod_wait)
     try:
         for name, config in configs.items():
             if backend.rank == 0:  # where each run's lines start in the launch's output (trainer_runs.run_output)

@@ -39,6 +39,7 @@ from pksampler.world import World
 
 from pksampler.train.runtime.device import (DeviceSetup, horovod_cpu_defaults, horovod_elastic_defaults,
                                             setup_device)
+from pksampler.train.runtime.horovod_wait import sleep_in_horovod_waits
 from pksampler.train.runtime.launch_store import launch_store
 from pksampler.train.runtime.process_group import choose_backend
 
@@ -165,7 +166,7 @@ class HorovodBackend(Backend):
     name = "horovod"
     scales_gathered_loss = True
 
-    def __init__(self, device: str = "auto", precision: str = "auto") -> None:
+    def __init__(self, device: str = "auto", precision: str = "auto", *, wait: str = "auto") -> None:
         import horovod.torch as hvd
 
         horovod_cpu_defaults(device)
@@ -173,6 +174,8 @@ class HorovodBackend(Backend):
         hvd.init()
         self.hvd = hvd
         super().__init__(device, precision)
+        if wait == "sleep" or (wait == "auto" and self.device.type == "cpu"):
+            sleep_in_horovod_waits()
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -356,19 +359,20 @@ def _exit_with_launcher(rank: int) -> None:
 
 
 def make_backend(choice: str = "auto", *, device: str = "auto", precision: str = "auto",
-                 collective_timeout: float = 300.0) -> Backend:
+                 collective_timeout: float = 300.0, horovod_wait: str = "auto") -> Backend:
     """The backend for ``distributed.backend``: auto picks the launcher's runtime.
 
     ``auto``: Horovod under horovodrun, torch.distributed under torchrun,
     else Horovod with one rank if it imports, else a single process.
+    ``horovod_wait``: ``distributed.horovod_wait`` (:mod:`.horovod_wait`).
     """
     if choice == "horovod" or (choice == "auto" and comm.launcher() == "horovodrun"):
-        return HorovodBackend(device, precision)
+        return HorovodBackend(device, precision, wait=horovod_wait)
     if choice == "torch" or (choice == "auto" and comm.launcher() == "torchrun"):
         return TorchBackend(device, precision, collective_timeout=collective_timeout)
     if choice == "none":
         return Backend(device, precision)
     try:
-        return HorovodBackend(device, precision)
+        return HorovodBackend(device, precision, wait=horovod_wait)
     except ImportError:
         return Backend(device, precision)
