@@ -295,7 +295,9 @@ def all_gather(tensor: torch.Tensor, *, name: str | None = None, sizes: list[int
     if tensor.requires_grad:
         from torch.distributed import _functional_collectives as functional
 
-        gathered = functional.all_gather_tensor_autograd(padded, 0, dist.group.WORLD)
+        # all_gather_single_autograd in newer torch (2.13 here), where the older name all_gather_tensor_autograd warns
+        gather = getattr(functional, "all_gather_single_autograd", None) or functional.all_gather_tensor_autograd
+        gathered = gather(padded, 0, dist.group.WORLD)
         gathered = functional.wait_tensor(gathered) if hasattr(functional, "wait_tensor") else gathered
     else:
         parts = [torch.empty_like(padded) for _ in sizes]

@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, NoReturn
 
 HERE = Path(__file__).resolve().parent
 # Run as a script, Python puts train/ first on sys.path; drop it so module
@@ -172,5 +172,14 @@ def main(argv: list[str] | None = None, extra_hooks: Iterable[Any] = ()) -> int:
     return 0
 
 
+def exit_with(status: int) -> NoReturn:
+    """Leave with ``status``; under torchrun without the interpreter's teardown, which can abort a rank that
+    finished (:mod:`pksampler.train.runtime.rank_exit`)."""
+    from pksampler.train.runtime.rank_exit import end_rank
+
+    end_rank(status)
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_with(main())

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "train"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from retrieval import main  # noqa: E402
+from retrieval import exit_with, main  # noqa: E402
 
 from pksampler.comm import world_info  # noqa: E402
 from pksampler.train.engine.hooks import HookBase  # noqa: E402
@@ -260,4 +260,4 @@ if __name__ == "__main__":
     arguments, extra_hooks = _arguments()
     with computing_in(os.environ.get("PKSAMPLER_TEST_DTYPE")):
         status = main(arguments, extra_hooks)
-    sys.exit(status)
+    exit_with(status)
