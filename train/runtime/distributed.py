@@ -39,7 +39,7 @@ from pksampler.world import World
 
 from pksampler.train.runtime.device import (DeviceSetup, horovod_cpu_defaults, horovod_elastic_defaults,
                                             setup_device)
-from pksampler.train.runtime.horovod_wait import sleep_in_horovod_waits
+from pksampler.train.runtime.horovod_wait import set_horovod_wait, sleeps_in_waits
 from pksampler.train.runtime.launch_store import launch_store
 from pksampler.train.runtime.process_group import choose_backend
 
@@ -174,8 +174,7 @@ class HorovodBackend(Backend):
         hvd.init()
         self.hvd = hvd
         super().__init__(device, precision)
-        if wait == "sleep" or (wait == "auto" and self.device.type == "cpu"):
-            sleep_in_horovod_waits()
+        set_horovod_wait("sleep" if sleeps_in_waits(wait, self.device.type) else "spin")
 
     def broadcast_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -6,9 +6,9 @@ then leaves the group's C++ threads running (``pt_gloo_runloop``,
 ``gloo_tcp_loop``; a plain group without DDP ends them). The interpreter's
 teardown can destroy objects those threads still use, and a rank whose
 training finished and wrote everything aborts: "terminate called without an
-active exception", SIGABRT, which torchrun reports as a failed job (seen in
-1 of 27 torchrun launches of a loaded test run; torch's own attempt at an
-at-exit fix, pytorch/pytorch#179291, was withdrawn). So a rank that ran under
+active exception", SIGABRT, which torchrun reports as a failed job (seen once
+in the 27 torchrun launches of a test run; torch's own attempt at an at-exit
+fix, pytorch/pytorch#179291, was withdrawn). So a rank that ran under
 torchrun flushes its output, ends its DataLoader workers and leaves with
 ``os._exit``: its files are already written atomically and its process group
 destroyed, so the teardown has nothing left to do but race those threads.
@@ -34,7 +34,10 @@ def end_rank(status: int, *, environ: Mapping[str, str] | None = None,
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
-        stream.flush()
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it; leave all the same
+            pass
     for child in multiprocessing.active_children():  # loader workers: the teardown would have ended them
         child.kill()
         child.join(timeout=10)
