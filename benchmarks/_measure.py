@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -47,6 +49,20 @@ def measure(function: Callable[[], Any], repeats: int = 3) -> tuple[float, int]:
         best = min(best, elapsed)
         peak_added = max(peak_added, peak[0] - baseline)
     return best, peak_added
+
+
+def steady_steps(workspace: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The step records of a run's metrics.jsonl at the end of its first quarter and at its end: the span past
+    start-up and the first steps, over which the throughput benchmarks measure."""
+    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["type"] == "step"]
+    return steps[len(steps) // 4], steps[-1]
+
+
+def images_per_second(workspace: Path) -> float:
+    """Global images per second of a run over :func:`steady_steps`."""
+    warm, last = steady_steps(workspace)
+    return (last["global_step"] - warm["global_step"]) * last["global_batch"] / (last["time"] - warm["time"])
 
 
 def stepped_head(classes: int):

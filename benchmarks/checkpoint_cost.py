@@ -17,7 +17,6 @@ to every step).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,6 +24,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import steady_steps  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -36,9 +38,7 @@ def seconds_per_step(workspace: Path, steps: int, *settings: str) -> float:
                "--no-resume", "--set", f"workspace={workspace}", "--set", f"train.max_steps={steps}", *settings]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
-    stepped = [r for r in records if r["type"] == "step"]
-    warm, last = stepped[len(stepped) // 4], stepped[-1]
+    warm, last = steady_steps(workspace)
     return (last["time"] - warm["time"]) / (last["global_step"] - warm["global_step"])
 
 

@@ -15,7 +15,6 @@ quarter (metrics.jsonl). The ratios compare the two waits in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -24,6 +23,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import images_per_second  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -41,12 +43,8 @@ def train(np_: int, wait: str, workspace: Path) -> dict[str, float]:
     subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if r["type"] == "step"]
-    warm, last = steps[len(steps) // 4], steps[-1]  # after start-up and the first steps
-    images = (last["global_step"] - warm["global_step"]) * last["global_batch"]
     return {"wall": wall, "user": after.ru_utime - before.ru_utime, "sys": after.ru_stime - before.ru_stime,
-            "images_per_s": images / (last["time"] - warm["time"])}
+            "images_per_s": images_per_second(workspace)}
 
 
 def report(np_: int, runs: dict[str, list[dict[str, float]]]) -> None:

@@ -13,13 +13,15 @@ the median of interleaved repeats. Target: >= 1.8x.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _measure import images_per_second  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
@@ -35,11 +37,7 @@ def throughput(np_: int, steps: int, workdir: Path) -> float:
                "--set", f"sampler.classes_per_step={8 * np_}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(command, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    records = [json.loads(line) for line in (workspace / "metrics.jsonl").read_text().splitlines()]
-    steps_seen = [r for r in records if r["type"] == "step"]
-    warm, last = steps_seen[len(steps_seen) // 4], steps_seen[-1]  # skip start-up and warm-up
-    images = (last["global_step"] - warm["global_step"]) * last["global_batch"]
-    return images / (last["time"] - warm["time"])
+    return images_per_second(workspace)
 
 
 def main() -> None:

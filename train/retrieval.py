@@ -63,10 +63,9 @@ def _end_loader_workers() -> None:
     """Kill this rank's DataLoader workers before it stops on an error. A worker busy fetching (an object store
     retrying) does not notice its rank is gone, and it holds the rank's stdout: horovodrun waits for that pipe to
     close and the job never ends (seen with a shard deleted from the store)."""
-    import multiprocessing
+    from pksampler.train.runtime.rank_exit import end_loader_workers
 
-    for child in multiprocessing.active_children():
-        child.kill()
+    end_loader_workers()
 
 
 def _report_and_exit(message: str, status: int) -> int:

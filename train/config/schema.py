@@ -307,13 +307,17 @@ class EvalConfig:
     check_queries: int = _rule(2000, rules.positive_int, resumable=True)  # ivf: queries also searched exactly
 
 
+#: the values of ``distributed.horovod_wait`` (train/runtime/horovod_wait.py)
+HOROVOD_WAITS = ("auto", "sleep", "spin")
+
+
 @dataclass(frozen=True)
 class DistributedConfig:
     backend: str = _rule("auto", rules.choice(lambda: ("auto", "horovod", "torch", "none")), resumable=True)
     # Horovod: how a rank waits for a collective. sleep: polls with sleeps of 20 us doubling to 1 ms, leaving the
     # core to the rank it waits for and to loader workers; spin: Horovod's own wait, a busy loop; auto: sleep on
     # CPU-only runs, spin on GPUs (docs/trainer.md, "Waiting for a collective")
-    horovod_wait: str = _rule("auto", rules.choice(lambda: ("auto", "sleep", "spin")), resumable=True)
+    horovod_wait: str = _rule("auto", rules.choice(lambda: HOROVOD_WAITS), resumable=True)
 
 
 @dataclass(frozen=True)

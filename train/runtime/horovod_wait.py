@@ -28,14 +28,13 @@ import importlib
 import time
 from typing import Any, Callable, Iterator
 
-__all__ = ["FIRST_SLEEP_S", "LONGEST_SLEEP_S", "WAITS", "set_horovod_wait", "sleeps", "sleeps_in_waits",
-           "wait_until_done"]
+from pksampler.train.config.schema import HOROVOD_WAITS
+
+__all__ = ["FIRST_SLEEP_S", "LONGEST_SLEEP_S", "set_horovod_wait", "sleeps", "sleeps_in_waits", "wait_until_done"]
 
 #: the first sleep between two polls of a handle; each next one doubles, up to LONGEST_SLEEP_S
 FIRST_SLEEP_S = 2e-5
 LONGEST_SLEEP_S = 1e-3
-#: the values of ``distributed.horovod_wait``
-WAITS = ("auto", "sleep", "spin")
 #: the modules of Horovod's torch API that call ``synchronize`` by a name of their own (``from ... import``)
 _CALLERS = ("horovod.torch.mpi_ops", "horovod.torch.functions", "horovod.torch.optimizer",
             "horovod.torch.sync_batch_norm", "horovod.torch")
@@ -48,8 +47,8 @@ _sleeping_now = {"on": False}
 def sleeps_in_waits(wait: str, device_type: str) -> bool:
     """Whether ``distributed.horovod_wait=wait`` sleeps on a rank computing on ``device_type``: ``auto`` sleeps on
     the CPU and spins on GPUs."""
-    if wait not in WAITS:
-        raise ValueError(f"distributed.horovod_wait: must be one of {list(WAITS)}, got {wait!r}")
+    if wait not in HOROVOD_WAITS:
+        raise ValueError(f"distributed.horovod_wait: must be one of {list(HOROVOD_WAITS)}, got {wait!r}")
     return wait == "sleep" or (wait == "auto" and device_type == "cpu")
 
 

@@ -20,17 +20,24 @@ import logging
 import multiprocessing
 import os
 import sys
-from typing import Callable, Mapping, NoReturn
+from typing import Callable, NoReturn
 
 from pksampler import comm
 
-__all__ = ["end_rank"]
+__all__ = ["end_loader_workers", "end_rank"]
 
 
-def end_rank(status: int, *, environ: Mapping[str, str] | None = None,
+def end_loader_workers() -> None:
+    """Kill this rank's DataLoader workers (its multiprocessing children) and reap them."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
+
+
+def end_rank(status: int, *, environ: dict[str, str] | None = None,
              exit: Callable[[int], NoReturn] = os._exit) -> None:
     """Leave with ``status`` at once under torchrun (module docstring); elsewhere return, for ``sys.exit``."""
-    if comm.launcher(dict(os.environ if environ is None else environ)) != "torchrun":
+    if comm.launcher(environ) != "torchrun":
         return
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -38,7 +45,5 @@ def end_rank(status: int, *, environ: Mapping[str, str] | None = None,
             stream.flush()
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can reach it; leave all the same
             pass
-    for child in multiprocessing.active_children():  # loader workers: the teardown would have ended them
-        child.kill()
-        child.join(timeout=10)
+    end_loader_workers()  # the teardown would have ended them
     exit(status)
